@@ -1,0 +1,59 @@
+# recserve: `make demo` runs the main job, `make test` runs the tests.
+# Both create/refresh one virtualenv (.venv) from the fully pinned requirements.lock.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# fbgemm's CPU build here; the CUDA build on machines with a working NVIDIA driver.
+FBGEMM := $(shell if nvidia-smi -L >/dev/null 2>&1; then echo fbgemm-gpu==1.8.0; else echo fbgemm-gpu-cpu==1.8.0; fi)
+PACKAGES := recserve embedding_server ranker cascade
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test unit integration typecheck protos redis bench-scheduler bench-sharding bench-lookup clean
+
+venv: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.lock $(FBGEMM)
+	# torchrec's metadata pulls the multi-GB CUDA fbgemm-gpu; its real deps are in the lock.
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps torchrec==1.8.0
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@touch $@
+
+demo: $(STAMP)
+	$(BIN)/recserve demo
+
+typecheck: $(STAMP)
+	$(BIN)/mypy $(PACKAGES)
+
+# pytest exits 5 when it collects no tests; make treats any non-zero exit as failure.
+test: $(STAMP) typecheck
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
+
+integration: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/integration
+
+# Regenerate the committed gRPC stubs (package recserve.v1) from protos/.
+protos: $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. protos/recserve/v1/*.proto
+
+# redis-server from Debian, for the lookup benchmark's Redis contender.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } || echo "redis-server could not be installed; the benchmark reports null Redis fields with the reason"
+
+bench-scheduler: $(STAMP)
+	$(BIN)/recserve bench scheduler
+
+bench-sharding: $(STAMP)
+	$(BIN)/recserve bench sharding
+
+bench-lookup: $(STAMP) redis
+	$(BIN)/recserve bench lookup
+
+clean:
+	rm -rf $(VENV) .mypy_cache .pytest_cache build *.egg-info

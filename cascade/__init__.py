@@ -1,0 +1,1 @@
+"""cascade layer (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""embedding_server layer (see DESIGN.md §2)."""

@@ -1,0 +1,1 @@
+"""ranker layer (see DESIGN.md §2)."""

@@ -1,0 +1,5 @@
+import sys
+
+from recserve.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,70 @@
+"""The ``recserve`` command.
+
+Subcommand modules are light (argparse only); each imports heavy libraries (torch,
+torchrec, grpc servers) inside its ``run`` so ``recserve --help`` stays fast
+(DESIGN.md §12: torch costs ≈2.8 s to import here, torchrec ≈6.2 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from recserve.errors import RecserveError
+
+# Subcommands in help order: name -> module exposing add_parser(subparsers) and run(args).
+COMMANDS: dict[str, str] = {
+    "catalog": "recserve.cli.catalog_cmd",
+    "shard": "recserve.cli.shard_cmd",
+    "bench": "recserve.cli.bench_cmd",
+    "demo": "recserve.cli.demo_cmd",
+}
+# Planned subcommands (later issues); listed in --help so users see the roadmap.
+PLANNED: dict[str, str] = {
+    "serve": "serve the whole cascade (Recommend) over gRPC and HTTP",
+    "train": "train the two-tower, DLRM and L3 models on a catalog's click log",
+    "loadtest": "open-loop load test of the accumulation windows and the cascade",
+}
+
+
+def _planned(args: argparse.Namespace) -> int:
+    print(f"recserve {args.command}: not built yet ({PLANNED[args.command]})", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="recserve", description="Recommendation serving: catalogs, shard servers, lookups, benchmarks.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for module_name in COMMANDS.values():
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.add_parser(sub)
+    for name, text in PLANNED.items():
+        p = sub.add_parser(name, help=f"(planned) {text}")
+        p.set_defaults(func=_planned)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except RecserveError as exc:
+        print(f"recserve: error: {exc.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,234 @@
+"""Typed, validated config objects for one recserve cluster.
+
+External config (TOML, CLI) is parsed into these at the edge (see
+:mod:`recserve.config.load`); internals never re-parse dicts. Every ``__post_init__``
+validates and raises :class:`~recserve.errors.ConfigError` whose message names the
+field, quotes the bad value and says how to fix it. Derive variants with
+``dataclasses.replace``; never mutate a caller's config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from recserve.errors import ConfigError
+
+DTYPES = ("float32", "float16", "int8")
+POOLINGS = ("sum", "mean")
+PRIORITIES = ("critical", "standard", "best_effort")
+
+
+def _require(ok: bool, field: str, value: Any, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field} = {value!r} is invalid: {fix}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TableConfig:
+    """One embedding table: ``rows`` × ``dim`` stored as ``dtype``; bags pool by ``pooling``."""
+
+    name: str
+    rows: int
+    dim: int
+    dtype: str = "float32"
+    pooling: str = "sum"
+
+    def __post_init__(self) -> None:
+        f = f"tables.{self.name}"
+        _require(bool(self.name) and self.name.replace("_", "").isalnum(), "tables[].name", self.name, "use a non-empty name of letters, digits and '_'")
+        _require(isinstance(self.rows, int) and self.rows > 0, f"{f}.rows", self.rows, "set a positive integer row count")
+        _require(isinstance(self.dim, int) and 0 < self.dim <= 4096, f"{f}.dim", self.dim, "set an embedding width between 1 and 4096")
+        _require(self.dtype in DTYPES, f"{f}.dtype", self.dtype, f"use one of {DTYPES}")
+        _require(self.pooling in POOLINGS, f"{f}.pooling", self.pooling, f"use one of {POOLINGS}")
+
+    @property
+    def row_bytes_fp32(self) -> int:
+        return self.dim * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureConfig:
+    """A sparse feature (a KeyedJaggedTensor key) and the table it looks up."""
+
+    name: str
+    table: str
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name), "features[].name", self.name, "give every feature a non-empty name")
+        _require(bool(self.table), f"features.{self.name}.table", self.table, "name the table this feature reads")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """Hot/warm/cold placement knobs (DESIGN.md §4). ``column_splits`` 0 = pick from width."""
+
+    num_shards: int = 2
+    hot_fraction: float = 0.01
+    warm_fraction: float = 0.10
+    hot_replicas: int = 2
+    column_splits: int = 0
+    cold_replicas: int = 1
+    virtual_nodes: int = 64
+    shard_memory_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        _require(self.num_shards >= 1, "sharding.num_shards", self.num_shards, "use at least 1 shard")
+        _require(0.0 <= self.hot_fraction <= 1.0, "sharding.hot_fraction", self.hot_fraction, "use a fraction in [0, 1]")
+        _require(0.0 <= self.warm_fraction <= 1.0, "sharding.warm_fraction", self.warm_fraction, "use a fraction in [0, 1]")
+        _require(self.hot_fraction + self.warm_fraction <= 1.0, "sharding.hot_fraction + warm_fraction", self.hot_fraction + self.warm_fraction, "keep the sum at most 1")
+        _require(1 <= self.hot_replicas <= self.num_shards, "sharding.hot_replicas", self.hot_replicas, f"use 1..num_shards ({self.num_shards})")
+        _require(0 <= self.column_splits <= self.num_shards, "sharding.column_splits", self.column_splits, f"use 0 (auto) or 1..num_shards ({self.num_shards})")
+        _require(1 <= self.cold_replicas <= self.num_shards, "sharding.cold_replicas", self.cold_replicas, f"use 1..num_shards ({self.num_shards})")
+        _require(1 <= self.virtual_nodes <= 4096, "sharding.virtual_nodes", self.virtual_nodes, "use 1..4096 virtual nodes per shard")
+        _require(self.shard_memory_bytes > 0, "sharding.shard_memory_bytes", self.shard_memory_bytes, "set a positive per-shard DRAM budget in bytes")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardServerConfig:
+    """Per-process settings of an embedding shard server."""
+
+    max_ids_per_rpc: int = 262_144
+    row_cache_bytes: int = 64 << 20
+    block_cache_bytes: int = 64 << 20
+    threads: int = 1
+    max_message_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        _require(self.max_ids_per_rpc > 0, "shard_server.max_ids_per_rpc", self.max_ids_per_rpc, "use a positive id count")
+        _require(self.row_cache_bytes >= 0, "shard_server.row_cache_bytes", self.row_cache_bytes, "use >= 0 bytes")
+        _require(self.block_cache_bytes > 0, "shard_server.block_cache_bytes", self.block_cache_bytes, "use a positive byte count")
+        _require(1 <= self.threads <= 64, "shard_server.threads", self.threads, "use 1..64 threads (2 cores here: keep it at 1-2)")
+        _require(self.max_message_bytes >= 4 << 20, "shard_server.max_message_bytes", self.max_message_bytes, "use at least 4 MiB")
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupConfig:
+    """Feature-parallel lookup client knobs (DESIGN.md §5)."""
+
+    window_ms: float = 1.0
+    max_window_ms: float = 2.0
+    target_ids: int = 8192
+    max_inflight_batches: int = 4
+    hedge_percentile: float = 95.0
+    hedge_budget: float = 0.05
+    near_cache_rows: int = 0
+    near_cache_staleness_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        _require(0.0 <= self.window_ms <= self.max_window_ms, "lookup.window_ms", self.window_ms, f"use 0..max_window_ms ({self.max_window_ms})")
+        _require(self.max_window_ms <= 100.0, "lookup.max_window_ms", self.max_window_ms, "keep the window at most 100 ms")
+        _require(self.target_ids > 0, "lookup.target_ids", self.target_ids, "use a positive id count")
+        _require(self.max_inflight_batches >= 1, "lookup.max_inflight_batches", self.max_inflight_batches, "use at least 1")
+        _require(50.0 <= self.hedge_percentile < 100.0, "lookup.hedge_percentile", self.hedge_percentile, "use a percentile in [50, 100)")
+        _require(0.0 <= self.hedge_budget <= 1.0, "lookup.hedge_budget", self.hedge_budget, "use a fraction of RPCs in [0, 1]")
+        _require(self.near_cache_rows >= 0, "lookup.near_cache_rows", self.near_cache_rows, "use >= 0 rows (0 disables the near cache)")
+        _require(self.near_cache_staleness_ms >= 0, "lookup.near_cache_staleness_ms", self.near_cache_staleness_ms, "use >= 0 ms")
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerConfig:
+    model: str = "dlrm"
+    device: str = "auto"
+    max_batch_candidates: int = 4096
+    max_wait_ms: float = 2.0
+    slo_ms: float = 50.0
+
+    def __post_init__(self) -> None:
+        _require(self.model in ("dlrm", "two_tower"), "ranker.model", self.model, "use 'dlrm' or 'two_tower'")
+        _require(self.device in ("auto", "cpu", "cuda"), "ranker.device", self.device, "use 'auto', 'cpu' or 'cuda'")
+        _require(self.max_batch_candidates > 0, "ranker.max_batch_candidates", self.max_batch_candidates, "use a positive candidate count")
+        _require(self.max_wait_ms >= 0, "ranker.max_wait_ms", self.max_wait_ms, "use >= 0 ms")
+        _require(self.slo_ms > 0, "ranker.slo_ms", self.slo_ms, "use a positive SLO in ms")
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeConfig:
+    """Stage output sizes and budget shares of the L0-L3 cascade (DESIGN.md §3, §8)."""
+
+    l0_out: int = 10_000
+    l1_out: int = 1_000
+    l2_out: int = 100
+    l3_out: int = 10
+    budget_shares: tuple[float, float, float, float] = (0.15, 0.15, 0.45, 0.25)
+    default_deadline_ms: float = 100.0
+
+    def __post_init__(self) -> None:
+        sizes = (self.l0_out, self.l1_out, self.l2_out, self.l3_out)
+        _require(all(s > 0 for s in sizes), "cascade.l*_out", sizes, "use positive stage sizes")
+        _require(list(sizes) == sorted(sizes, reverse=True), "cascade.l*_out", sizes, "stage sizes must shrink: l0_out >= l1_out >= l2_out >= l3_out")
+        _require(len(self.budget_shares) == 4 and all(s >= 0 for s in self.budget_shares), "cascade.budget_shares", self.budget_shares, "give 4 non-negative shares (L0..L3)")
+        _require(math.isclose(sum(self.budget_shares), 1.0, abs_tol=1e-6), "cascade.budget_shares", self.budget_shares, "shares must sum to 1.0")
+        _require(self.default_deadline_ms > 0, "cascade.default_deadline_ms", self.default_deadline_ms, "use a positive deadline in ms")
+
+
+@dataclasses.dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8080
+
+    def __post_init__(self) -> None:
+        _require(0 <= self.port <= 65535, "gateway.port", self.port, "use a TCP port in 0..65535 (0 = pick a free one)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TenantConfig:
+    """Per-tenant quotas enforced at admission (reference §10.12)."""
+
+    name: str
+    max_concurrent_cost: float = math.inf
+    rate_per_s: float = math.inf
+    priority: str = "standard"
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name), "tenants[].name", self.name, "give every tenant a name")
+        _require(self.max_concurrent_cost > 0, f"tenants.{self.name}.max_concurrent_cost", self.max_concurrent_cost, "use a positive cost")
+        _require(self.rate_per_s > 0, f"tenants.{self.name}.rate_per_s", self.rate_per_s, "use a positive rate")
+        _require(self.priority in PRIORITIES, f"tenants.{self.name}.priority", self.priority, f"use one of {PRIORITIES}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    """The whole cluster spec. Cross-references are checked here: every feature names a
+    known table, shard addresses match ``sharding.num_shards``."""
+
+    tables: tuple[TableConfig, ...]
+    features: tuple[FeatureConfig, ...]
+    sharding: ShardingConfig = ShardingConfig()
+    shard_addresses: tuple[str, ...] = ()
+    shard_server: ShardServerConfig = ShardServerConfig()
+    lookup: LookupConfig = LookupConfig()
+    ranker: RankerConfig = RankerConfig()
+    cascade: CascadeConfig = CascadeConfig()
+    gateway: GatewayConfig = GatewayConfig()
+    tenants: tuple[TenantConfig, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(len(self.tables) > 0, "tables", list(self.tables), "declare at least one [[tables]] entry")
+        names = [t.name for t in self.tables]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        _require(not dup, "tables[].name", dup, "table names must be unique")
+        fnames = [f.name for f in self.features]
+        fdup = sorted({n for n in fnames if fnames.count(n) > 1})
+        _require(not fdup, "features[].name", fdup, "feature names must be unique")
+        for f in self.features:
+            _require(f.table in names, f"features.{f.name}.table", f.table, f"name one of the declared tables {names}")
+        if self.shard_addresses:
+            _require(
+                len(self.shard_addresses) == self.sharding.num_shards,
+                "shard_addresses",
+                list(self.shard_addresses),
+                f"give exactly sharding.num_shards ({self.sharding.num_shards}) addresses, or none to let the launcher pick",
+            )
+        tnames = [t.name for t in self.tenants]
+        _require(len(set(tnames)) == len(tnames), "tenants[].name", tnames, "tenant names must be unique")
+
+    def table(self, name: str) -> TableConfig:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise ConfigError(f"table {name!r} is not declared; declared tables: {[t.name for t in self.tables]}")
+
+    def features_of(self, table: str) -> list[str]:
+        return [f.name for f in self.features if f.table == table]

@@ -1,0 +1,78 @@
+"""One exception hierarchy for recserve.
+
+Every error raised on a request path is a :class:`RecserveError` carrying an
+:class:`ErrorKind`. The single mapping from kinds to gRPC status codes and HTTP
+statuses lives in :mod:`recserve.rpc.status`; nothing else translates errors.
+Messages carry the numbers: "table 'item' has 1,000 rows; id 1,417 is out of range".
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorKind(enum.Enum):
+    INVALID_ARGUMENT = "invalid_argument"
+    NOT_FOUND = "not_found"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    CANCELLED = "cancelled"
+    UNAVAILABLE = "unavailable"
+    FAILED_PRECONDITION = "failed_precondition"
+    PERMISSION_DENIED = "permission_denied"
+    INTERNAL = "internal"
+
+
+class RecserveError(Exception):
+    """Base error. ``kind`` decides the wire status; ``retry_after_s`` is a hint
+    for RESOURCE_EXHAUSTED / UNAVAILABLE rejections."""
+
+    kind: ErrorKind = ErrorKind.INTERNAL
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r})"
+
+
+class InvalidArgument(RecserveError):
+    kind = ErrorKind.INVALID_ARGUMENT
+
+
+class ConfigError(InvalidArgument):
+    """A bad cluster spec / component config. The message names field, value and fix."""
+
+
+class NotFound(RecserveError):
+    kind = ErrorKind.NOT_FOUND
+
+
+class ResourceExhausted(RecserveError):
+    kind = ErrorKind.RESOURCE_EXHAUSTED
+
+
+class DeadlineExceeded(RecserveError):
+    kind = ErrorKind.DEADLINE_EXCEEDED
+
+
+class Cancelled(RecserveError):
+    kind = ErrorKind.CANCELLED
+
+
+class Unavailable(RecserveError):
+    kind = ErrorKind.UNAVAILABLE
+
+
+class FailedPrecondition(RecserveError):
+    kind = ErrorKind.FAILED_PRECONDITION
+
+
+class PermissionDenied(RecserveError):
+    kind = ErrorKind.PERMISSION_DENIED
+
+
+class InternalError(RecserveError):
+    kind = ErrorKind.INTERNAL

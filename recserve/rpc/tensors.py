@@ -1,0 +1,84 @@
+"""Packed-array codec for the wire contract (DESIGN.md §4).
+
+Arrays travel as ``recserve.v1.Tensor``: a dtype enum, a shape and little-endian
+bytes. Decoding validates length against dtype and shape and raises
+:class:`~recserve.errors.InvalidArgument` naming the field, so malformed bytes become
+``INVALID_ARGUMENT`` instead of a crash.
+
+Example::
+
+    t = pack(np.arange(4, dtype=np.int64))      # Tensor(dtype=INT64, shape=[4], ...)
+    unpack(t, "ids")                            # array([0, 1, 2, 3])
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from recserve.errors import InvalidArgument
+from recserve.v1 import common_pb2
+
+# INT8_ROWWISE rows are uint8 on the wire: D quantised bytes + fp32 scale + fp32 bias.
+_NP_OF: dict[int, np.dtype] = {
+    common_pb2.FLOAT32: np.dtype("<f4"),
+    common_pb2.FLOAT16: np.dtype("<f2"),
+    common_pb2.INT8_ROWWISE: np.dtype("u1"),
+    common_pb2.INT64: np.dtype("<i8"),
+    common_pb2.INT32: np.dtype("<i4"),
+    common_pb2.UINT8: np.dtype("u1"),
+}
+_ENUM_OF: dict[str, int] = {
+    "float32": common_pb2.FLOAT32,
+    "float16": common_pb2.FLOAT16,
+    "int64": common_pb2.INT64,
+    "int32": common_pb2.INT32,
+    "uint8": common_pb2.UINT8,
+    "bool": common_pb2.UINT8,
+}
+
+
+def pack(array: np.ndarray, dtype: int | None = None) -> common_pb2.Tensor:
+    """Pack ``array`` (any shape) into a Tensor. ``dtype`` overrides the enum
+    (used for INT8_ROWWISE, whose numpy dtype is uint8)."""
+    if dtype is None:
+        try:
+            dtype = _ENUM_OF[array.dtype.name]
+        except KeyError as exc:
+            raise InvalidArgument(f"cannot pack dtype {array.dtype.name!r}; use one of {sorted(_ENUM_OF)}") from exc
+    np_dtype = _NP_OF[dtype]
+    data = np.ascontiguousarray(array, dtype=np_dtype).tobytes()
+    return common_pb2.Tensor(dtype=dtype, shape=list(array.shape), data=data)
+
+
+def unpack(
+    tensor: common_pb2.Tensor,
+    field: str,
+    *,
+    expect_dtype: int | None = None,
+    expect_ndim: int | None = None,
+) -> np.ndarray:
+    """Decode a Tensor into a read-only numpy view over its bytes (no copy).
+
+    Raises InvalidArgument naming ``field`` when the dtype is unknown or unexpected,
+    the shape is negative / of the wrong rank, or the byte length does not match.
+    """
+    if tensor.dtype not in _NP_OF:
+        raise InvalidArgument(f"{field}: unknown dtype enum {tensor.dtype}; set dtype to one of FLOAT32, FLOAT16, INT8_ROWWISE, INT64, INT32, UINT8")
+    if expect_dtype is not None and tensor.dtype != expect_dtype:
+        want = common_pb2.DType.Name(expect_dtype)  # type: ignore[arg-type]
+        got = common_pb2.DType.Name(tensor.dtype)
+        raise InvalidArgument(f"{field}: dtype is {got}, expected {want}")
+    shape = tuple(int(s) for s in tensor.shape)
+    if expect_ndim is not None and len(shape) != expect_ndim:
+        raise InvalidArgument(f"{field}: shape {list(shape)} has rank {len(shape)}, expected rank {expect_ndim}")
+    if any(s < 0 for s in shape):
+        raise InvalidArgument(f"{field}: shape {list(shape)} has a negative dimension")
+    np_dtype = _NP_OF[tensor.dtype]
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(tensor.data) != count * np_dtype.itemsize:
+        raise InvalidArgument(
+            f"{field}: {len(tensor.data)} bytes do not match shape {list(shape)} of "
+            f"{common_pb2.DType.Name(tensor.dtype)} ({count * np_dtype.itemsize} bytes expected; "
+            f"byte length must be a multiple of {np_dtype.itemsize})"
+        )
+    return np.frombuffer(tensor.data, dtype=np_dtype).reshape(shape)

@@ -47,7 +47,7 @@ def pack(array: np.ndarray, dtype: int | None = None) -> common_pb2.Tensor:
             raise InvalidArgument(f"cannot pack dtype {array.dtype.name!r}; use one of {sorted(_ENUM_OF)}") from exc
     np_dtype = _NP_OF[dtype]
     data = np.ascontiguousarray(array, dtype=np_dtype).tobytes()
-    return common_pb2.Tensor(dtype=dtype, shape=list(array.shape), data=data)
+    return common_pb2.Tensor(dtype=dtype, shape=list(array.shape), data=data)  # type: ignore[arg-type]
 
 
 def unpack(

@@ -1,0 +1,390 @@
+"""The sharding plan: which shard stores which rows of which table (DESIGN.md §4).
+
+Per table the ids fall into three tiers:
+
+* HOT  — ``hot_ids``, each row replicated on ``hot_replicas`` distinct shards;
+* WARM — ``warm_ids``, each row cut into ``column_splits`` contiguous column slices
+  (:meth:`TablePlan.col_bounds`), slice k on the k-th of as many distinct shards;
+* COLD — every other id in ``[0, rows)``, whole rows on the ring owner, plus
+  ``cold_replicas - 1`` further distinct clockwise ring successors (so when an owner
+  leaves, its ids fall to a shard that already holds them).
+
+Where a hot or warm id lives also comes from the ring: its shard set is the id's ring
+owner ``o`` followed by slots ``o+1, o+2, ... (mod num_shards)``, so hot and warm
+traffic spreads evenly over every shard instead of landing on the first R. The plan is immutable;
+re-planning produces a new plan with a higher ``version``. Routing lives in
+:mod:`recserve.sharding.router`; this module holds the data and its JSON form.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import enum
+import json
+import os
+import threading
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from recserve.config.spec import DTYPES
+from recserve.errors import ConfigError, NotFound
+from recserve.sharding.ring import Ring, balanced_tokens
+
+if TYPE_CHECKING:
+    from recserve.sharding.router import TableRouter
+
+PLAN_FORMAT = "recserve.sharding.plan"
+PLAN_FORMAT_VERSION = 1
+
+
+class Tier(enum.IntEnum):
+    HOT = 0
+    WARM = 1
+    COLD = 2
+
+
+def _sorted_id_array(values: Any, what: str) -> np.ndarray:
+    arr = np.ascontiguousarray(np.asarray(values, dtype=np.int64).reshape(-1))
+    if arr.size > 1 and not bool(np.all(arr[1:] > arr[:-1])):
+        raise ConfigError(f"{what} must be sorted ascending without repeats")
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TablePlan:
+    """Placement of one table. ``hot_ids``: int64 [H] sorted; ``warm_ids``: int64 [W]
+    sorted, disjoint from ``hot_ids``; both within ``[0, rows)``. Cold = the rest."""
+
+    name: str
+    rows: int
+    dim: int
+    hot_ids: np.ndarray
+    warm_ids: np.ndarray
+    hot_replicas: int
+    column_splits: int
+    cold_replicas: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        f = f"sharding plan table {self.name!r}"
+        if not self.name:
+            raise ConfigError("sharding plan table name must be non-empty")
+        if self.rows < 1 or self.dim < 1:
+            raise ConfigError(f"{f}: rows ({self.rows}) and dim ({self.dim}) must be positive")
+        hot = _sorted_id_array(self.hot_ids, f"{f}: hot_ids")
+        warm = _sorted_id_array(self.warm_ids, f"{f}: warm_ids")
+        for label, arr in (("hot_ids", hot), ("warm_ids", warm)):
+            if arr.size and (arr[0] < 0 or arr[-1] >= self.rows):
+                raise ConfigError(f"{f}: {label} must lie in [0, {self.rows:,}); got {int(arr[0]):,}..{int(arr[-1]):,}")
+        if hot.size and warm.size and np.intersect1d(hot, warm, assume_unique=True).size:
+            raise ConfigError(f"{f}: an id cannot be both hot and warm")
+        if self.hot_replicas < 1 or self.cold_replicas < 1:
+            raise ConfigError(f"{f}: hot_replicas ({self.hot_replicas}) and cold_replicas ({self.cold_replicas}) must be >= 1")
+        if not 1 <= self.column_splits <= self.dim:
+            raise ConfigError(f"{f}: column_splits = {self.column_splits} must be in 1..dim ({self.dim})")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"{f}: dtype {self.dtype!r} must be one of {DTYPES}")
+        object.__setattr__(self, "hot_ids", hot)
+        object.__setattr__(self, "warm_ids", warm)
+
+    @property
+    def num_cold(self) -> int:
+        return self.rows - int(self.hot_ids.size) - int(self.warm_ids.size)
+
+    @property
+    def max_fanout(self) -> int:
+        """Most distinct shards one id of this table can need (R, C or cold replicas)."""
+        return max(self.hot_replicas, self.column_splits, self.cold_replicas)
+
+    def col_bounds(self) -> list[tuple[int, int]]:
+        """``column_splits`` contiguous ``[start, end)`` slices covering ``[0, dim)``;
+        widths differ by at most 1 (dim=10, C=3 -> [(0, 4), (4, 7), (7, 10)])."""
+        base, extra = divmod(self.dim, self.column_splits)
+        bounds, start = [], 0
+        for k in range(self.column_splits):
+            end = start + base + (1 if k < extra else 0)
+            bounds.append((start, end))
+            start = end
+        return bounds
+
+    def slice_of(self, col_start: int, col_end: int) -> int | None:
+        """Map a wire column range to a slice index; ``0/0`` (the full row) -> None.
+
+        ``(0, dim)`` is slice 0 when ``column_splits == 1`` (the full row is the only
+        slice) and None otherwise. Raises ConfigError for a range that is not a slice."""
+        if (col_start, col_end) == (0, 0):
+            return None
+        bounds = self.col_bounds()
+        if (col_start, col_end) in bounds:
+            return bounds.index((col_start, col_end))
+        if (col_start, col_end) == (0, self.dim):
+            return None
+        raise ConfigError(f"table {self.name!r}: columns [{col_start}, {col_end}) are not a slice of the plan; slices are {bounds}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows": self.rows,
+            "dim": self.dim,
+            "dtype": self.dtype,
+            "hot_replicas": self.hot_replicas,
+            "column_splits": self.column_splits,
+            "cold_replicas": self.cold_replicas,
+            "hot_ids": _encode_ids(self.hot_ids),
+            "warm_ids": _encode_ids(self.warm_ids),
+        }
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TablePlan):
+            return NotImplemented
+        return (
+            (self.name, self.rows, self.dim, self.dtype, self.hot_replicas, self.column_splits, self.cold_replicas)
+            == (other.name, other.rows, other.dim, other.dtype, other.hot_replicas, other.column_splits, other.cold_replicas)
+            and np.array_equal(self.hot_ids, other.hot_ids)
+            and np.array_equal(self.warm_ids, other.warm_ids)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardAssignment:
+    """What one shard stores of one table (all arrays int64, sorted)."""
+
+    table: str
+    hot_ids: np.ndarray
+    warm_ids: dict[int, np.ndarray]  # slice index k -> ids whose slice k lives here
+    cold_ids: np.ndarray  # includes ids held as a cold replica
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ShardingPlan:
+    """A versioned, immutable plan for ``num_shards`` shard slots.
+
+    ``ring_tokens`` (uint64 [num_shards, virtual_nodes]) defaults to the balanced ring
+    of :func:`recserve.sharding.ring.balanced_tokens`. ``shard_keys`` (default
+    ``0..num_shards-1``) names the physical shard behind each slot, so removing slot 2
+    renumbers later slots without pretending their data moved."""
+
+    version: int
+    num_shards: int
+    tables: Mapping[str, TablePlan]
+    virtual_nodes: int = 64
+    seed: int = 0
+    ring_tokens: np.ndarray | None = None
+    shard_keys: tuple[int, ...] | None = None
+    _routers: dict[str, TableRouter] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
+    _ring: Ring = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.version < 1:
+            raise ConfigError(f"sharding plan version = {self.version} must be >= 1")
+        if self.num_shards < 1:
+            raise ConfigError(f"sharding plan num_shards = {self.num_shards} must be >= 1")
+        if not 1 <= self.virtual_nodes <= 4096:
+            raise ConfigError(f"sharding plan virtual_nodes = {self.virtual_nodes} must be in 1..4096")
+        tables = dict(self.tables)
+        for key, t in tables.items():
+            if key != t.name:
+                raise ConfigError(f"sharding plan table key {key!r} does not match its TablePlan name {t.name!r}")
+            if t.max_fanout > self.num_shards:
+                raise ConfigError(
+                    f"sharding plan table {key!r} needs {t.max_fanout} distinct shards "
+                    f"(hot_replicas={t.hot_replicas}, column_splits={t.column_splits}, cold_replicas={t.cold_replicas}) "
+                    f"but the plan has {self.num_shards}"
+                )
+        object.__setattr__(self, "tables", tables)
+        if self.ring_tokens is None:
+            tokens = balanced_tokens(self.num_shards, self.virtual_nodes, self.seed)
+        else:
+            tokens = np.array(self.ring_tokens, dtype=np.uint64)
+            if tokens.shape != (self.num_shards, self.virtual_nodes):
+                raise ConfigError(f"sharding plan ring_tokens has shape {tokens.shape}; expected ({self.num_shards}, {self.virtual_nodes})")
+        tokens.setflags(write=False)
+        object.__setattr__(self, "ring_tokens", tokens)
+        keys = tuple(range(self.num_shards)) if self.shard_keys is None else tuple(int(k) for k in self.shard_keys)
+        if len(keys) != self.num_shards or len(set(keys)) != len(keys):
+            raise ConfigError(f"sharding plan shard_keys {list(keys)} must be {self.num_shards} distinct integers")
+        object.__setattr__(self, "shard_keys", keys)
+        object.__setattr__(self, "_ring", Ring(tokens))
+
+    @property
+    def ring(self) -> Ring:
+        return self._ring
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """uint64 [num_shards, virtual_nodes] (``ring_tokens``, never None after init)."""
+        assert self.ring_tokens is not None
+        return self.ring_tokens
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """``shard_keys``, never None after init."""
+        assert self.shard_keys is not None
+        return self.shard_keys
+
+    def table(self, name: str) -> TablePlan:
+        try:
+            return self.tables[name]
+        except KeyError:
+            raise NotFound(f"table {name!r} is not in sharding plan v{self.version}; tables: {sorted(self.tables)}") from None
+
+    def router(self, table: str) -> TableRouter:
+        """The cached :class:`~recserve.sharding.router.TableRouter` of ``table``."""
+        from recserve.sharding.router import TableRouter  # router imports this module
+
+        with self._lock:
+            r = self._routers.get(table)
+            if r is None:
+                r = TableRouter(self.table(table), self.ring, seed=self.seed)
+                self._routers[table] = r
+            return r
+
+    def assignment(self, shard_id: int, table: str) -> ShardAssignment:
+        """What shard ``shard_id`` stores of ``table``. O(rows): meant for start-up and
+        bulk load, not for request paths."""
+        if not 0 <= shard_id < self.num_shards:
+            raise NotFound(f"shard {shard_id} is not in sharding plan v{self.version} (shards 0..{self.num_shards - 1})")
+        t = self.table(table)
+        r = self.router(table)
+        hot = t.hot_ids[(r.hot_replicas_of(t.hot_ids) == shard_id).any(axis=1)] if t.hot_ids.size else t.hot_ids
+        warm_shards = r.warm_shards_of(t.warm_ids)
+        warm = {k: t.warm_ids[warm_shards[:, k] == shard_id] for k in range(t.column_splits)}
+        cold = r.owned_cold_ids(shard_id)
+        return ShardAssignment(table=table, hot_ids=hot, warm_ids=warm, cold_ids=cold)
+
+    # ---- JSON ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "format_version": PLAN_FORMAT_VERSION,
+            "version": self.version,
+            "num_shards": self.num_shards,
+            "virtual_nodes": self.virtual_nodes,
+            "seed": self.seed,
+            "shard_keys": list(self.keys),
+            "ring_tokens": base64.b64encode(self.tokens.astype("<u8").tobytes()).decode("ascii"),
+            "tables": {name: t.to_dict() for name, t in sorted(self.tables.items())},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> ShardingPlan:
+        """Parse :meth:`to_json` output; ConfigError (naming the problem) on bad input."""
+        try:
+            doc = json.loads(s)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"sharding plan is not valid JSON: {e}") from None
+        if not isinstance(doc, dict) or doc.get("format") != PLAN_FORMAT:
+            raise ConfigError(f"not a sharding plan: expected a JSON object with format = {PLAN_FORMAT!r}")
+        fv = doc.get("format_version")
+        if fv != PLAN_FORMAT_VERSION:
+            raise ConfigError(f"sharding plan format_version = {fv!r} is not supported; this build reads format_version {PLAN_FORMAT_VERSION}")
+        try:
+            num_shards = _int(doc, "num_shards")
+            vnodes = _int(doc, "virtual_nodes")
+            raw = base64.b64decode(_get(doc, "ring_tokens", str), validate=True)
+            if len(raw) != 8 * num_shards * vnodes:
+                raise ConfigError(f"sharding plan ring_tokens holds {len(raw)} bytes; expected 8 * {num_shards} * {vnodes}")
+            tokens = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(num_shards, vnodes)
+            tables = {name: _table_from_dict(name, td) for name, td in _get(doc, "tables", dict).items()}
+            keys = _get(doc, "shard_keys", list)
+            if not all(isinstance(k, int) for k in keys):
+                raise ConfigError("sharding plan shard_keys must be a list of integers")
+            return cls(
+                version=_int(doc, "version"),
+                num_shards=num_shards,
+                tables=tables,
+                virtual_nodes=vnodes,
+                seed=_int(doc, "seed"),
+                ring_tokens=tokens,
+                shard_keys=tuple(keys),
+            )
+        except (ValueError, TypeError, zlib.error) as e:  # base64 / numpy decode errors
+            raise ConfigError(f"sharding plan is malformed: {e}") from None
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write atomically (temp file + rename) so readers never see half a plan."""
+        p = Path(path)
+        tmp = p.with_name(p.name + ".tmp")
+        tmp.write_text(self.to_json())
+        os.replace(tmp, p)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> ShardingPlan:
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read sharding plan {str(path)!r}: {e.strerror}") from None
+        return cls.from_json(text)
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        # Pickle (spawned processes, deepcopy) through the JSON form: the router cache
+        # and its lock are rebuilt on the other side instead of being copied.
+        return (ShardingPlan.from_json, (self.to_json(),))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, ShardingPlan):
+            return NotImplemented
+        return (
+            (self.version, self.num_shards, self.virtual_nodes, self.seed, self.keys)
+            == (other.version, other.num_shards, other.virtual_nodes, other.seed, other.keys)
+            and np.array_equal(self.tokens, other.tokens)
+            and dict(self.tables) == dict(other.tables)
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _encode_ids(ids: np.ndarray) -> str:
+    """Sorted int64 ids -> base64(zlib(little-endian deltas)): sorted tiers compress
+    to about a byte per id, where a JSON list costs ~8."""
+    deltas = np.diff(ids, prepend=np.int64(0)).astype("<i8")
+    return base64.b64encode(zlib.compress(deltas.tobytes(), 6)).decode("ascii")
+
+
+def _decode_ids(s: str, what: str) -> np.ndarray:
+    raw = zlib.decompress(base64.b64decode(s, validate=True))
+    if len(raw) % 8:
+        raise ConfigError(f"{what} decodes to {len(raw)} bytes, not a multiple of 8")
+    return np.cumsum(np.frombuffer(raw, dtype="<i8").astype(np.int64))
+
+
+def _get(doc: dict[str, Any], key: str, typ: type) -> Any:
+    if key not in doc:
+        raise ConfigError(f"sharding plan is missing field {key!r}")
+    v = doc[key]
+    if not isinstance(v, typ) or isinstance(v, bool):
+        raise ConfigError(f"sharding plan field {key!r} = {v!r} has the wrong type; expected {typ.__name__}")
+    return v
+
+
+def _int(doc: dict[str, Any], key: str) -> int:
+    v: int = _get(doc, key, int)
+    return v
+
+
+def _table_from_dict(name: str, td: Any) -> TablePlan:
+    if not isinstance(td, dict):
+        raise ConfigError(f"sharding plan table {name!r} should be a JSON object")
+    return TablePlan(
+        name=name,
+        rows=_int(td, "rows"),
+        dim=_int(td, "dim"),
+        dtype=_get(td, "dtype", str),
+        hot_ids=_decode_ids(_get(td, "hot_ids", str), f"table {name!r} hot_ids"),
+        warm_ids=_decode_ids(_get(td, "warm_ids", str), f"table {name!r} warm_ids"),
+        hot_replicas=_int(td, "hot_replicas"),
+        column_splits=_int(td, "column_splits"),
+        cold_replicas=_int(td, "cold_replicas"),
+    )

@@ -1,0 +1,246 @@
+"""Vectorised routing of one table's ids under a :class:`~recserve.sharding.plan.ShardingPlan`.
+
+Every id resolves to (tier, ring position); the destination shards are then one
+``np.take`` into a small per-position table: the position's owner followed by the next
+shard slots for hot replicas and warm slices (:meth:`~recserve.sharding.ring.Ring.slot_successors`),
+the owner followed by its distinct ring successors for cold replicas
+(:meth:`~recserve.sharding.ring.Ring.successors`). How (tier, position) is found:
+
+* **dense map** (tables with ``rows <= dense_max_rows``, the catalog case): one
+  ``np.take`` into a per-table uint16/uint32 array ``code[id] = tier * P + position``
+  (``P = T + 1`` ring positions), built once, lazily, from the plan (≈2.5 ms for 1M ids
+  here vs ≈75 ms for a ring ``searchsorted``). Memory: 2 bytes per row up to ~340
+  shards at 64 virtual nodes, 4 beyond.
+* **ring arithmetic** otherwise: hash (splitmix64, salted per table) + the ring's
+  bucketed search for the position, and a 2-bit-per-row packed tier map (built once,
+  rows / 4 bytes) for the tier; ``searchsorted`` into 100k warm ids would cost ≈150 ms.
+
+The code ``tier * P + position`` indexes per-(tier, position) tables whose rows for
+other tiers hold -1, so each destination query is one ``np.take`` with no masking.
+
+Both give identical answers; the tests check them against a pure-Python reference.
+No Python loop runs per id. Shard ids are ``int32``, ``-1`` where not applicable.
+Measured here (1M random ids, 1M-row table, 8 shards): :meth:`TableRouter.route`
+(tier + every destination) ≈12 ms on the dense map on a quiet machine, 16-20 ms while
+other processes share the 2 cores; ≈30-50 ms by ring arithmetic. ``tier_of`` /
+``cold_owners_of`` / ``owns`` ≈5-8 ms each on the dense map; building the map ≈0.1 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import numpy as np
+
+from recserve.errors import InvalidArgument, NotFound
+from recserve.sharding.plan import TablePlan, Tier
+from recserve.sharding.ring import Ring, hash_ids, table_salt
+
+DENSE_MAP_MAX_ROWS = 50_000_000
+_CHUNK = 1 << 22  # ids per step when sweeping a whole table (bounds temporary memory)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Routes:
+    """Destinations of N ids grouped by tier (what the lookup client needs per window).
+
+    ``*_index`` are positions into the routed id array; ``*_shards`` hold the shard ids
+    for exactly those ids: ``hot_shards`` [H', R] replicas, ``warm_shards`` [W', C]
+    (column k = shard of slice k), ``cold_shards`` [K', cold_replicas] (column 0 = owner).
+    """
+
+    tier: np.ndarray  # uint8 [N]
+    hot_index: np.ndarray  # intp [H']
+    hot_shards: np.ndarray  # int32 [H', R]
+    warm_index: np.ndarray  # intp [W']
+    warm_shards: np.ndarray  # int32 [W', C]
+    cold_index: np.ndarray  # intp [K']
+    cold_shards: np.ndarray  # int32 [K', cold_replicas]
+
+
+class TableRouter:
+    """Routing for one table. Obtain via ``ShardingPlan.router(table)`` (cached)."""
+
+    def __init__(self, table: TablePlan, ring: Ring, *, seed: int = 0, dense_max_rows: int = DENSE_MAP_MAX_ROWS) -> None:
+        self.table = table
+        self.num_shards = ring.num_shards
+        self.dense = table.rows <= dense_max_rows
+        self._ring = ring
+        self._salt = table_salt(seed, table.name)
+        n_pos = ring.num_tokens + 1
+        self._n_pos = n_pos
+        # Hot replicas / warm slices: owner then the next slots (balanced columns); cold
+        # replicas: ring successors, so a departing owner's arcs pass to its replica.
+        slots = ring.slot_successors(max(table.hot_replicas, table.column_splits))
+        self._hot_tab = self._tier_table(slots[:, : table.hot_replicas], Tier.HOT)
+        self._warm_tab = self._tier_table(slots[:, : table.column_splits], Tier.WARM)
+        self._cold_tab = self._tier_table(ring.successors(table.cold_replicas), Tier.COLD)
+        self._tier_lut = np.repeat(np.array([Tier.HOT, Tier.WARM, Tier.COLD], dtype=np.uint8), n_pos)
+        self._owner_lut = np.tile(ring.owners, 3)
+        self._code_dtype: Any = np.uint16 if 3 * n_pos <= (1 << 16) else np.uint32
+        self._codes: np.ndarray | None = None
+        self._packed_tiers: np.ndarray | None = None
+        self._lock = threading.Lock()
+
+    def _tier_table(self, succ: np.ndarray, tier: Tier) -> np.ndarray:
+        """int32 [3 * P, k]: rows of ``tier`` hold ``succ``; the other tiers' rows -1."""
+        tab = np.full((3 * self._n_pos, succ.shape[1]), -1, dtype=np.int32)
+        tab[tier * self._n_pos : (tier + 1) * self._n_pos] = succ
+        tab.setflags(write=False)
+        return tab
+
+    def prepare(self) -> None:
+        """Build the lazy lookup map now (≈0.1 s per 1M rows), e.g. before a server
+        reports SERVING, so the first request does not pay for it."""
+        if self.dense:
+            self._dense_codes()
+        else:
+            self._packed()
+
+    # ---- validation -----------------------------------------------------------------
+
+    def validate_ids(self, ids: Any) -> np.ndarray:
+        """Return ids as contiguous int64 [N]; InvalidArgument naming the first id
+        outside ``[0, rows)`` (or a bad shape / dtype)."""
+        arr = np.asarray(ids)
+        t = self.table
+        if arr.ndim != 1:
+            raise InvalidArgument(f"table {t.name!r}: ids must be a 1-D array, got shape {arr.shape}")
+        if arr.size == 0:
+            return np.zeros(0, dtype=np.int64)
+        if arr.dtype.kind not in "iu":
+            raise InvalidArgument(f"table {t.name!r}: ids must be integers, got dtype {arr.dtype}")
+        out = np.ascontiguousarray(arr, dtype=np.int64)
+        if int(out.min()) < 0 or int(out.max()) >= t.rows:
+            bad = int(out[np.flatnonzero((out < 0) | (out >= t.rows))[0]])
+            raise InvalidArgument(f"table {t.name!r} has {t.rows:,} rows; id {bad:,} is out of range [0, {t.rows:,})")
+        return out
+
+    # ---- codes: tier * P + position ------------------------------------------------------
+
+    def _dense_codes(self) -> np.ndarray:
+        """uint16/uint32 [rows] codes, built once under a lock."""
+        codes = self._codes
+        if codes is not None:
+            return codes
+        with self._lock:
+            if self._codes is None:
+                t = self.table
+                tiers = np.full(t.rows, Tier.COLD, dtype=self._code_dtype)
+                tiers[t.hot_ids] = Tier.HOT  # build time, once: advanced indexing is fine here
+                tiers[t.warm_ids] = Tier.WARM
+                built = np.empty(t.rows, dtype=self._code_dtype)
+                for start in range(0, t.rows, _CHUNK):
+                    end = min(start + _CHUNK, t.rows)
+                    pos = self._ring.positions(hash_ids(np.arange(start, end, dtype=np.int64), self._salt))
+                    built[start:end] = tiers[start:end] * self._code_dtype(self._n_pos) + pos.astype(self._code_dtype)
+                built.setflags(write=False)
+                self._codes = built
+            return self._codes
+
+    def _packed(self) -> np.ndarray:
+        """uint8 [ceil(rows / 4)]: 2 bits per id, 0 = cold, 1 = hot, 2 = warm."""
+        packed = self._packed_tiers
+        if packed is not None:
+            return packed
+        with self._lock:
+            if self._packed_tiers is None:
+                t = self.table
+                built = np.zeros((t.rows + 3) // 4, dtype=np.uint8)
+                for members, value in ((t.hot_ids, 1), (t.warm_ids, 2)):
+                    np.bitwise_or.at(built, members >> 2, (value << ((members & 3) << 1)).astype(np.uint8))
+                built.setflags(write=False)
+                self._packed_tiers = built
+            return self._packed_tiers
+
+    _PACKED_LUT = np.array([Tier.COLD, Tier.HOT, Tier.WARM, Tier.COLD], dtype=np.uint8)
+
+    def _sparse_tiers(self, ids: np.ndarray) -> np.ndarray:
+        two_bits = (np.take(self._packed(), ids >> 2) >> ((ids & 3) << 1).astype(np.uint8)) & 3
+        return np.take(self._PACKED_LUT, two_bits.astype(np.intp))
+
+    def _codes_of(self, ids: np.ndarray) -> np.ndarray:
+        """Validated int64 ids [N] -> intp codes [N] in [0, 3P)."""
+        if self.dense:
+            return np.take(self._dense_codes(), ids).astype(np.intp)
+        pos = self._ring.positions(hash_ids(ids, self._salt))
+        return self._sparse_tiers(ids).astype(np.intp) * self._n_pos + pos
+
+    # ---- public routing -------------------------------------------------------------------
+
+    def tier_of(self, ids: Any) -> np.ndarray:
+        """uint8 [N] :class:`Tier` values."""
+        v = self.validate_ids(ids)
+        if self.dense:
+            return np.take(self._tier_lut, self._codes_of(v))
+        return self._sparse_tiers(v)
+
+    def primary_of(self, ids: Any) -> np.ndarray:
+        """int32 [N]: the ring owner of each id, whatever its tier (re-plan accounting)."""
+        return np.take(self._owner_lut, self._codes_of(self.validate_ids(ids)))
+
+    def hot_replicas_of(self, ids: Any) -> np.ndarray:
+        """int32 [N, R]: the R distinct shards holding each hot id; rows of non-hot ids are -1."""
+        return np.take(self._hot_tab, self._codes_of(self.validate_ids(ids)), axis=0)
+
+    def warm_shards_of(self, ids: Any) -> np.ndarray:
+        """int32 [N, C]: column k = shard holding slice k of each warm id; non-warm rows -1."""
+        return np.take(self._warm_tab, self._codes_of(self.validate_ids(ids)), axis=0)
+
+    def cold_owners_of(self, ids: Any) -> np.ndarray:
+        """int32 [N, cold_replicas]: ring owner then distinct ring successors; non-cold rows -1."""
+        return np.take(self._cold_tab, self._codes_of(self.validate_ids(ids)), axis=0)
+
+    def route(self, ids: Any) -> Routes:
+        """All destinations of ``ids`` [N] in one pass, grouped by tier."""
+        codes = self._codes_of(self.validate_ids(ids))
+        tier = np.take(self._tier_lut, codes)
+        hot = np.flatnonzero(tier == Tier.HOT)
+        warm = np.flatnonzero(tier == Tier.WARM)
+        cold = np.flatnonzero(tier == Tier.COLD)
+        return Routes(
+            tier=tier,
+            hot_index=hot,
+            hot_shards=np.take(self._hot_tab, np.take(codes, hot), axis=0),
+            warm_index=warm,
+            warm_shards=np.take(self._warm_tab, np.take(codes, warm), axis=0),
+            cold_index=cold,
+            cold_shards=np.take(self._cold_tab, np.take(codes, cold), axis=0),
+        )
+
+    # ---- ownership --------------------------------------------------------------------------
+
+    def _own_table(self, shard_id: int, slice_index: int | None) -> np.ndarray:
+        """bool [3P]: does ``shard_id`` store the row / slice of ids with this code."""
+        if not 0 <= shard_id < self.num_shards:
+            raise NotFound(f"shard {shard_id} is not in the plan (shards 0..{self.num_shards - 1})")
+        c = self.table.column_splits
+        if slice_index is not None and not 0 <= slice_index < c:
+            raise InvalidArgument(f"table {self.table.name!r}: slice index {slice_index} is out of range [0, {c})")
+        own = (self._hot_tab == shard_id).any(axis=1) | (self._cold_tab == shard_id).any(axis=1)
+        # A full-row request for a warm id is only satisfiable when the one slice is the row.
+        k = slice_index if slice_index is not None else (0 if c == 1 else None)
+        if k is not None:
+            own |= self._warm_tab[:, k] == shard_id
+        return own
+
+    def owns(self, shard_id: int, ids: Any, slice_index: int | None = None) -> np.ndarray:
+        """bool [N]: whether ``shard_id`` stores each id under this plan.
+
+        Warm ids: whether it stores slice ``slice_index`` (None = the full row, which
+        only exists when ``column_splits == 1``). Hot and cold ids: whether it stores
+        the full row (which contains any slice, so ``slice_index`` does not matter)."""
+        own = self._own_table(shard_id, slice_index)
+        return np.take(own, self._codes_of(self.validate_ids(ids)))
+
+    def owned_cold_ids(self, shard_id: int) -> np.ndarray:
+        """int64 sorted: every cold id ``shard_id`` stores (owner or replica). O(rows)."""
+        self._own_table(shard_id, None)  # validates shard_id
+        own = (self._cold_tab == shard_id).any(axis=1)  # cold codes only: hot/warm rows are -1
+        parts = []
+        for start in range(0, self.table.rows, _CHUNK):
+            ids = np.arange(start, min(start + _CHUNK, self.table.rows), dtype=np.int64)
+            parts.append(ids[np.take(own, self._codes_of(ids))])
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -1,0 +1,160 @@
+"""Shard server process main: gRPC server, health, reflection, tier loading, shutdown.
+
+Start-up order, so readiness is observable and honest:
+
+1. bind and start the grpc.aio server with raised message limits; health reports
+   NOT_SERVING for "" and ``recserve.v1.EmbeddingShard``; the port is written to
+   ``port_file`` (atomically) for launchers that asked for port 0;
+2. (test hook) wait for ``load_gate_file``; optionally bulk-load ``load_from``
+   (idempotent via the load manifest);
+3. open RocksDB and build the DRAM tiers from it (on the executor);
+4. health -> SERVING.
+
+SIGTERM / SIGINT stop the server gracefully and close RocksDB. Thread counts are set
+explicitly (``threads``, default 1): several shards share two cores here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from embedding_server.bulk_load import bulk_load, open_source
+from embedding_server.config import ShardProcessConfig
+from embedding_server.fault import FaultInjector, hook_enabled_by_env
+from embedding_server.layout import TableLayout, layouts_from_plan
+from embedding_server.quant import RowDType, set_threads
+from embedding_server.service import EmbeddingShardService
+from embedding_server.shard import ShardCore
+from embedding_server.store import RowStore
+from recserve.sharding.plan import ShardingPlan
+from recserve.v1 import embedding_pb2, embedding_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = embedding_pb2.DESCRIPTOR.services_by_name["EmbeddingShard"].full_name
+GATE_POLL_S = 0.02
+GRACE_S = 2.0
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS")
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """Environment that pins BLAS/OpenMP pools to ``threads`` (set before numpy loads:
+    the launcher passes it to every shard subprocess)."""
+    return {name: str(threads) for name in THREAD_ENV}
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # A second process binding the same port must fail loudly, not share traffic.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def data_paths(data_dir: str | Path) -> Path:
+    """The RocksDB directory inside a shard's data directory."""
+    return Path(data_dir) / "rocksdb"
+
+
+def open_store(config: ShardProcessConfig, layouts: dict[str, TableLayout]) -> RowStore:
+    return RowStore(
+        data_paths(config.data_dir),
+        {name: layout.dim for name, layout in layouts.items()},
+        block_cache_bytes=config.server.block_cache_bytes,
+        sync_writes=config.sync_writes,
+        background_jobs=max(2, config.server.threads),
+    )
+
+
+def load_core(config: ShardProcessConfig, plan: ShardingPlan, layouts: dict[str, TableLayout]) -> ShardCore:
+    """Open RocksDB, bulk-load ``load_from`` if not recorded yet, build the tiers."""
+    store = open_store(config, layouts)
+    try:
+        if config.load_from:
+            source, source_id = open_source(config.load_from, sorted(layouts))
+            report = bulk_load(store, layouts, source, source_id=source_id, plan_version=plan.version, shard_id=config.shard_id, progress=False)
+            log.info("shard %d bulk load %s: skipped=%s rows=%s", config.shard_id, report.key, report.skipped, report.rows_written)
+        return ShardCore(
+            config.shard_id,
+            plan.version,
+            store,
+            layouts,
+            tier_dtype=None if config.tier_dtype == "plan" else RowDType(config.tier_dtype),
+            row_cache_bytes=config.server.row_cache_bytes,
+            max_ids_per_rpc=config.server.max_ids_per_rpc,
+            default_value=config.default_value,
+        )
+    except BaseException:
+        store.close()
+        raise
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(str(port))
+    os.replace(tmp, path)
+
+
+async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -> None:
+    """Run one shard until ``stop`` is set or SIGTERM / SIGINT arrives."""
+    set_threads(config.server.threads)
+    plan = ShardingPlan.load(config.plan_path)
+    layouts = layouts_from_plan(plan, config.shard_id)
+    fault_hook = config.fault_hook or hook_enabled_by_env()
+    executor = ThreadPoolExecutor(max_workers=config.server.threads, thread_name_prefix=f"shard{config.shard_id}")
+    faults = FaultInjector(enabled=fault_hook)
+    service = EmbeddingShardService(
+        shard_id=config.shard_id, plan_version=plan.version, plan_json=plan.to_json(), executor=executor, faults=faults, admin_token=config.admin_token
+    )
+    health = HealthServicer()
+    server = grpc.aio.server(options=grpc_options(config.server.max_message_bytes))
+    embedding_pb2_grpc.add_EmbeddingShardServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    if fault_hook:
+        server.add_generic_rpc_handlers((faults.handler(),))
+        log.warning("shard %d: test fault hook ENABLED", config.shard_id)
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    if config.port_file:
+        _write_port_file(config.port_file, port)
+    log.info("shard %d listening on %s:%d (loading tiers)", config.shard_id, config.host, port)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    core: ShardCore | None = None
+    try:
+        if config.load_gate_file:
+            while not os.path.exists(config.load_gate_file) and not stop.is_set():
+                await asyncio.sleep(GATE_POLL_S)
+        if not stop.is_set():
+            core = await loop.run_in_executor(executor, load_core, config, plan, layouts)
+            service.set_ready(core)
+            for name in ("", SERVICE_NAME):
+                await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            log.info("shard %d SERVING plan v%d tables %s", config.shard_id, plan.version, sorted(layouts))
+        await stop.wait()
+    finally:
+        await health.enter_graceful_shutdown()
+        await server.stop(GRACE_S)
+        executor.shutdown(wait=True)
+        if core is not None:
+            core.close()

@@ -1,0 +1,125 @@
+"""The grpc.aio ``EmbeddingShard`` servicer: the async edge around :class:`ShardCore`.
+
+Per RPC: apply the test fault hook (if enabled), refuse while the tiers are loading
+(UNAVAILABLE), parse the header into one monotonic deadline, reject oversize requests on
+the event loop (cheap, from byte lengths), then run the gathers on the thread-pool
+executor. Errors leave through :func:`recserve.rpc.status.abort_with` only; the server
+keeps serving after any of them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from concurrent.futures import Executor
+
+import grpc
+
+from embedding_server.fault import FaultInjector
+from embedding_server.shard import ShardCore, count_ids
+from embedding_server.stats import LatencyWindow, ShardCounters, cpu_seconds, rss_bytes
+from recserve.errors import PermissionDenied, RecserveError, Unavailable
+from recserve.rpc.deadline import context_from_header
+from recserve.rpc.status import abort_with
+from recserve.v1 import embedding_pb2, embedding_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
+    """Serves one shard. ``core`` is None until :meth:`set_ready` (tiers loaded)."""
+
+    def __init__(self, *, shard_id: int, plan_version: int, plan_json: str, executor: Executor, faults: FaultInjector, admin_token: str = "") -> None:
+        self.shard_id = shard_id
+        self.plan_version = plan_version
+        self.plan_json = plan_json
+        self.executor = executor
+        self.faults = faults
+        self.admin_token = admin_token
+        self.core: ShardCore | None = None
+        self.counters = ShardCounters()
+        self.latency = LatencyWindow()
+
+    def set_ready(self, core: ShardCore) -> None:
+        self.core = core
+
+    def _ready(self) -> ShardCore:
+        if self.core is None:
+            raise Unavailable(f"shard {self.shard_id} is loading its tiers; retry shortly", retry_after_s=0.5)
+        return self.core
+
+    async def _fail(self, context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
+        self.counters.errors += 1
+        if not isinstance(error, RecserveError):
+            log.exception("shard %d: %s failed", self.shard_id, method, exc_info=error)
+        await abort_with(context, error)
+
+    async def Lookup(self, request: embedding_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> embedding_pb2.LookupResponse:
+        started = time.perf_counter()
+        self.counters.rpcs += 1
+        try:
+            await self.faults.before("Lookup", context)
+            core = self._ready()
+            deadline = context_from_header(request.header, context.time_remaining()).deadline
+            core.check_size(count_ids(request.tables), "LookupRequest")
+            loop = asyncio.get_running_loop()
+            outcome = await loop.run_in_executor(self.executor, core.lookup, request, deadline)
+        except Exception as exc:  # noqa: BLE001  (every failure is mapped to a status)
+            await self._fail(context, "Lookup", exc)
+            raise  # unreachable: abort_with raises
+        c = self.counters
+        c.ids_requested += outcome.ids
+        c.add_served(outcome.served)
+        c.rows_missing += outcome.missing
+        c.rows_not_owned += outcome.not_owned
+        self.latency.record(time.perf_counter() - started)
+        return outcome.response
+
+    async def Upsert(self, request: embedding_pb2.UpsertRequest, context: grpc.aio.ServicerContext) -> embedding_pb2.UpsertResponse:
+        self.counters.rpcs += 1
+        try:
+            await self.faults.before("Upsert", context)
+            if self.admin_token and not hmac.compare_digest(request.admin_token.encode(), self.admin_token.encode()):
+                raise PermissionDenied(f"shard {self.shard_id}: Upsert needs the admin token (set admin_token)")
+            core = self._ready()
+            context_from_header(request.header, context.time_remaining())
+            core.check_size(count_ids(request.tables), "UpsertRequest")
+            loop = asyncio.get_running_loop()
+            written = await loop.run_in_executor(self.executor, core.upsert, request)
+        except Exception as exc:  # noqa: BLE001
+            await self._fail(context, "Upsert", exc)
+            raise
+        self.counters.upserts += written
+        return embedding_pb2.UpsertResponse(rows_written=written, plan_version=self.plan_version)
+
+    async def ShardInfo(self, request: embedding_pb2.ShardInfoRequest, context: grpc.aio.ServicerContext) -> embedding_pb2.ShardInfoResponse:
+        c = self.counters
+        p50, p99 = self.latency.percentiles_ms(50, 99)
+        hits, misses = self.core.cache_counts() if self.core else (0, 0)
+        return embedding_pb2.ShardInfoResponse(
+            shard_id=self.shard_id,
+            plan_version=self.plan_version,
+            tables=self.core.tier_info() if self.core else [],
+            rpcs=c.rpcs,
+            ids_requested=c.ids_requested,
+            rows_served_hot=c.rows_served_hot,
+            rows_served_warm=c.rows_served_warm,
+            rows_served_cold=c.rows_served_cold,
+            rows_missing=c.rows_missing,
+            rows_not_owned=c.rows_not_owned,
+            row_cache_hits=hits,
+            row_cache_misses=misses,
+            row_cache_hit_rate=hits / (hits + misses) if hits + misses else 0.0,
+            p50_ms=p50,
+            p99_ms=p99,
+            cpu_seconds=cpu_seconds(),
+            rss_bytes=rss_bytes(),
+            upserts=c.upserts,
+            errors=c.errors,
+            ready=self.core is not None,
+        )
+
+    async def GetPlan(self, request: embedding_pb2.GetPlanRequest, context: grpc.aio.ServicerContext) -> embedding_pb2.GetPlanResponse:
+        return embedding_pb2.GetPlanResponse(plan_version=self.plan_version, plan_json=self.plan_json)

@@ -1,0 +1,170 @@
+"""The synchronous core of a shard: decode, validate, gather, assemble (no network I/O).
+
+:class:`ShardCore` owns the RocksDB store and every table's tiers and turns a decoded
+``LookupRequest`` / ``UpsertRequest`` into its response. The gRPC servicer
+(:mod:`embedding_server.service`) runs these methods on a thread-pool executor so the
+event loop never gathers rows; everything here raises :class:`RecserveError` subclasses,
+mapped to status codes in one place (:mod:`recserve.rpc.status`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from contextlib import ExitStack
+from typing import Any
+
+import numpy as np
+
+from embedding_server.layout import TableLayout
+from embedding_server.pooling import check_bags, pool_partial
+from embedding_server.quant import RowDType, from_wire
+from embedding_server.store import RowStore
+from embedding_server.table import TableTiers
+from embedding_server.tiers import TierKind
+from recserve.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
+from recserve.rpc.tensors import pack, unpack
+from recserve.v1 import common_pb2, embedding_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LookupOutcome:
+    """A response plus what the counters need."""
+
+    response: embedding_pb2.LookupResponse
+    ids: int
+    served: dict[TierKind, int]
+    missing: int
+    not_owned: int
+
+
+def count_ids(tables: Iterable[Any]) -> int:
+    """Ids in a request's TableLookup/TableUpsert list, from byte lengths (no decoding)."""
+    return sum(len(t.ids.data) // 8 for t in tables)
+
+
+class ShardCore:
+    """Tables of one shard, built from RocksDB (``layouts`` from the plan). DRAM tiers
+    use ``tier_dtype``, or each table's plan dtype when None."""
+
+    def __init__(self, shard_id: int, plan_version: int, store: RowStore, layouts: Mapping[str, TableLayout], *, tier_dtype: RowDType | None, row_cache_bytes: int, max_ids_per_rpc: int, default_value: float = 0.0) -> None:
+        self.shard_id = shard_id
+        self.plan_version = plan_version
+        self.store = store
+        self.max_ids_per_rpc = max_ids_per_rpc
+        # The row-cache budget is shared by tables in proportion to their cold bytes.
+        cold_bytes = {n: len(l.cold_ids) * l.dim for n, l in layouts.items()}
+        total = sum(cold_bytes.values()) or 1
+        self.tables = {
+            name: TableTiers(layout, store, dtype=tier_dtype or RowDType(layout.dtype), cache_bytes=row_cache_bytes * cold_bytes[name] // total, default_value=default_value)
+            for name, layout in layouts.items()
+        }
+
+    def table(self, name: str) -> TableTiers:
+        table = self.tables.get(name)
+        if table is None:
+            raise NotFound(f"table {name!r} is not served by shard {self.shard_id} (plan v{self.plan_version}); tables: {sorted(self.tables)}")
+        return table
+
+    def check_size(self, n_ids: int, what: str) -> None:
+        if n_ids > self.max_ids_per_rpc:
+            raise ResourceExhausted(
+                f"{what} carries {n_ids:,} ids; shard {self.shard_id} accepts at most max_ids_per_rpc = {self.max_ids_per_rpc:,} per RPC; split it"
+            )
+
+    # -- lookup --------------------------------------------------------------------
+
+    def lookup(self, request: embedding_pb2.LookupRequest, deadline: float) -> LookupOutcome:
+        """Validate every table first (a bad table fails the RPC before any work), then
+        gather. ``deadline`` is monotonic seconds; expired work is dropped, not done."""
+        self.check_size(count_ids(request.tables), "LookupRequest")
+        out = from_wire(request.row_dtype)
+        if request.pooled and out is not RowDType.FLOAT32:
+            raise InvalidArgument("pooled lookups return fp32 partial sums; leave row_dtype FLOAT32 (or unset)")
+        decoded = []
+        for i, tl in enumerate(request.tables):
+            table = self.table(tl.table)
+            ids = unpack(tl.ids, f"tables[{i}].ids ({tl.table})", expect_dtype=common_pb2.INT64, expect_ndim=1)
+            table.check_ids(ids, f"tables[{i}].ids")
+            cols = table.columns(tl.col_start, tl.col_end)
+            bags = None
+            if request.pooled:
+                idx = unpack(tl.bag_indices, f"tables[{i}].bag_indices", expect_dtype=common_pb2.INT64, expect_ndim=1)
+                off = unpack(tl.bag_offsets, f"tables[{i}].bag_offsets", expect_dtype=common_pb2.INT64, expect_ndim=1)
+                check_bags(len(ids), idx, off, tl.table)
+                bags = (idx, off)
+            decoded.append((table, ids, cols, bags))
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(f"shard {self.shard_id}: lookup deadline passed before its gathers ran")
+        response = embedding_pb2.LookupResponse(plan_version=self.plan_version)
+        served = {kind: 0 for kind in TierKind}
+        missing = not_owned = total = 0
+        for table, ids, (cs, ce), bags in decoded:
+            result = table.lookup(ids, cs, ce, out)
+            reply = response.tables.add(table=table.name, col_start=cs, col_end=ce)
+            reply.found.CopyFrom(pack(result.found))
+            reply.not_owned.CopyFrom(pack(result.not_owned))
+            if bags is None:
+                reply.rows.CopyFrom(pack(result.rows, out.wire))
+            else:
+                sums, counts = pool_partial(result.rows, result.not_owned == 0, bags[0], bags[1])
+                reply.pooled.CopyFrom(pack(sums))
+                reply.bag_counts.CopyFrom(pack(counts))
+            for kind, count in result.served.items():
+                served[kind] += count
+            missing += result.missing
+            not_owned += int(np.count_nonzero(result.not_owned))
+            total += len(ids)
+        return LookupOutcome(response=response, ids=total, served=served, missing=missing, not_owned=not_owned)
+
+    # -- upsert --------------------------------------------------------------------
+
+    def upsert(self, request: embedding_pb2.UpsertRequest) -> int:
+        """Validate all tables, write one WAL-logged batch, update DRAM tiers / row
+        caches, and only then return (the ack): reads after it see the new rows."""
+        self.check_size(count_ids(request.tables), "UpsertRequest")
+        prepared = []
+        for i, tu in enumerate(request.tables):
+            table = self.table(tu.table)
+            ids = unpack(tu.ids, f"tables[{i}].ids ({tu.table})", expect_dtype=common_pb2.INT64, expect_ndim=1)
+            cs, ce = table.columns(tu.col_start, tu.col_end)
+            rows = unpack(tu.rows, f"tables[{i}].rows ({tu.table})", expect_dtype=common_pb2.FLOAT32, expect_ndim=2)
+            if rows.shape != (len(ids), ce - cs):
+                raise InvalidArgument(
+                    f"tables[{i}].rows ({tu.table}): shape {list(rows.shape)} does not match {len(ids)} ids × columns {cs}..{ce} ({ce - cs} wide)"
+                )
+            if not np.isfinite(rows).all():
+                raise InvalidArgument(f"tables[{i}].rows ({tu.table}): rows must be finite (no NaN/inf)")
+            prepared.append((table, table.prepare_upsert(ids, rows, cs, ce)))
+        # Lock every touched table (in name order: no deadlock) across the durable write
+        # and the DRAM update, so no concurrent cold read re-caches a stale row.
+        with ExitStack() as stack:
+            for table in sorted({t for t, _ in prepared}, key=lambda t: t.name):
+                stack.enter_context(table.lock)
+            self.store.write_rows([w for _, p in prepared for w in p.store_writes()])
+            for table, p in prepared:
+                table.apply_upsert(p)
+        return sum(p.num_rows for _, p in prepared)
+
+    # -- info ----------------------------------------------------------------------
+
+    def tier_info(self) -> list[embedding_pb2.TableTierInfo]:
+        return [
+            embedding_pb2.TableTierInfo(table=name, rows=t.rows, dim=t.dim, **t.tier_sizes())
+            for name, t in sorted(self.tables.items())
+        ]
+
+    def cache_counts(self) -> tuple[int, int]:
+        hits = misses = 0
+        for t in self.tables.values():
+            cache = t.cold_cache
+            hits += cache.hits
+            misses += cache.misses
+        return hits, misses
+
+    def close(self) -> None:
+        self.store.close()

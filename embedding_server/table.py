@@ -1,0 +1,209 @@
+"""One table on one shard: routes a request's ids to the tiers and assembles the reply.
+
+A dense per-table map built once from the :class:`~embedding_server.layout.TableLayout`
+(``code`` uint8 and ``slot`` int32 over the id space, 5 B per row) turns routing into
+two ``np.take`` calls: ``code`` is 0 = not owned, 1 = hot, 2 = cold, 3 + j = warm slice
+j of this shard; ``slot`` is the row's slot in its DRAM tier. The state here is
+synchronous and does no network I/O; a per-table lock serialises gathers and upserts so
+a cold read racing an upsert can never re-cache a stale row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+
+from embedding_server.layout import TableLayout
+from embedding_server.quant import RowDType, encode
+from embedding_server.store import RowStore
+from embedding_server.cache import RowCache
+from embedding_server.tiers import ColdTier, Tier, TierKind, build_tier
+from recserve.errors import FailedPrecondition, InvalidArgument
+
+NOT_OWNED, HOT, COLD, WARM0 = 0, 1, 2, 3
+MAX_NAMED_IDS = 10  # error messages quote at most this many ids
+
+
+@dataclasses.dataclass
+class TableLookupResult:
+    """Reply for one table: ``rows`` [N, W] in the requested dtype's stored layout
+    (int8: [N, W + 8] uint8), masks uint8 [N], and per-tier served counts."""
+
+    rows: np.ndarray
+    found: np.ndarray
+    not_owned: np.ndarray
+    served: dict[TierKind, int]
+    missing: int
+
+
+@dataclasses.dataclass
+class PreparedUpsert:
+    """A validated upsert of one table, split into the groups each tier stores:
+    ``(tier, ids [M], slots [M], rows fp32 [M, tier width])``."""
+
+    table: str
+    groups: list[tuple[Tier, np.ndarray, np.ndarray, np.ndarray]]
+
+    def store_writes(self) -> list[tuple[str, np.ndarray, np.ndarray, int, int]]:
+        return [(self.table, ids, rows, tier.col_start, tier.col_end) for tier, ids, _, rows in self.groups]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(ids) for _, ids, _, _ in self.groups)
+
+
+def _quote(ids: np.ndarray) -> str:
+    shown = ", ".join(f"{int(i):,}" for i in ids[:MAX_NAMED_IDS])
+    return f"[{shown}{', ...' if len(ids) > MAX_NAMED_IDS else ''}] ({len(ids):,} ids)"
+
+
+class TableTiers:
+    """All tiers of one table on this shard, plus its id -> (tier, slot) map."""
+
+    def __init__(self, layout: TableLayout, store: RowStore, *, dtype: RowDType, cache_bytes: int, default_value: float = 0.0) -> None:
+        self.layout = layout
+        self.name, self.rows, self.dim = layout.name, layout.rows, layout.dim
+        self.default_value = default_value
+        self.lock = threading.Lock()
+        self.code = np.zeros(layout.rows, dtype=np.uint8)
+        self.slot = np.full(layout.rows, -1, dtype=np.int32)
+        common = dict(table=layout.name, store=store, dtype=dtype, id_space=layout.rows, cache_bytes=cache_bytes)
+        self.tiers: dict[int, Tier] = {
+            HOT: build_tier(TierKind.HOT, ids=layout.hot_ids, col_start=0, col_end=layout.dim, **common),  # type: ignore[arg-type]
+            COLD: build_tier(TierKind.COLD, ids=layout.cold_ids, col_start=0, col_end=layout.dim, **common),  # type: ignore[arg-type]
+        }
+        self._index(layout.hot_ids, HOT)
+        self.code[layout.cold_ids] = COLD
+        for j, warm in enumerate(layout.warm):
+            self.tiers[WARM0 + j] = build_tier(TierKind.WARM, ids=warm.ids, col_start=warm.col_start, col_end=warm.col_end, **common)  # type: ignore[arg-type]
+            self._index(warm.ids, WARM0 + j)
+
+    def _index(self, ids: np.ndarray, code: int) -> None:
+        self.code[ids] = code
+        self.slot[ids] = np.arange(len(ids), dtype=np.int32)
+
+    # -- validation ----------------------------------------------------------------
+
+    def columns(self, col_start: int, col_end: int) -> tuple[int, int]:
+        """Normalise a requested column range (0/0 = the full row) and validate it."""
+        if (col_start, col_end) == (0, 0):
+            return 0, self.dim
+        if not 0 <= col_start < col_end <= self.dim:
+            raise InvalidArgument(
+                f"table {self.name!r}: column slice {col_start}..{col_end} is invalid; "
+                f"use 0 <= col_start < col_end <= {self.dim} (or 0/0 for the full row)"
+            )
+        return col_start, col_end
+
+    def check_ids(self, ids: np.ndarray, field: str) -> None:
+        """Raise InvalidArgument naming the first id outside [0, rows)."""
+        if len(ids) == 0:
+            return
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= self.rows:
+            bad = lo if lo < 0 else hi
+            raise InvalidArgument(f"{field}: table {self.name!r} has {self.rows:,} rows; id {bad:,} is out of range [0, {self.rows:,})")
+
+    # -- lookup --------------------------------------------------------------------
+
+    def lookup(self, ids: np.ndarray, col_start: int, col_end: int, out: RowDType) -> TableLookupResult:
+        """Rows of validated ``ids`` [N] for columns ``[col_start, col_end)``.
+
+        An id is served when this shard holds a tier covering the wanted columns;
+        otherwise it is flagged ``not_owned``. An owned id RocksDB lacks gets the default
+        row and ``found = 0``. Never raises for missing or foreign ids.
+        """
+        n, width = len(ids), col_end - col_start
+        codes = np.take(self.code, ids)
+        parts: list[tuple[np.ndarray, np.ndarray]] = []  # (positions, rows) per group
+        found = np.zeros(n, dtype=np.uint8)
+        not_owned = np.ones(n, dtype=np.uint8)
+        served = {kind: 0 for kind in TierKind}
+        with self.lock:
+            for code, tier in self.tiers.items():
+                if not tier.col_start <= col_start < col_end <= tier.col_end:
+                    continue  # this tier cannot serve the slice: its ids stay not_owned
+                pos = np.flatnonzero(codes == code)
+                if len(pos) == 0:
+                    continue
+                group_ids = np.take(ids, pos)
+                rows, ok = tier.gather(group_ids, np.take(self.slot, group_ids), col_start, col_end, out)
+                parts.append((pos, rows))
+                not_owned[pos] = 0
+                found[pos[ok]] = 1
+                served[tier.kind] += int(np.count_nonzero(ok))
+        missing = int(n - np.count_nonzero(found) - np.count_nonzero(not_owned))
+        rows = self._assemble(n, width, out, parts, found)
+        return TableLookupResult(rows=rows, found=found, not_owned=not_owned, served=served, missing=missing)
+
+    def _assemble(self, n: int, width: int, out: RowDType, parts: list[tuple[np.ndarray, np.ndarray]], found: np.ndarray) -> np.ndarray:
+        """Put each group's rows back in request order (one ``np.take``) and fill the
+        default row where nothing was found."""
+        if len(parts) == 1 and len(parts[0][0]) == n and found.all():
+            return parts[0][1]  # one tier served everything, already in request order
+        default = encode(np.full((1, width), self.default_value, dtype=np.float32), out)
+        if not parts:
+            return np.repeat(default, n, axis=0)
+        served_pos = np.concatenate([p for p, _ in parts])
+        stacked = np.concatenate([r for _, r in parts] + [default])
+        order = np.full(n, len(stacked) - 1, dtype=np.int64)  # the default row unless found
+        order[served_pos] = np.arange(len(served_pos))
+        order[found == 0] = len(stacked) - 1
+        return np.take(stacked, order, axis=0)
+
+    # -- upsert --------------------------------------------------------------------
+
+    def prepare_upsert(self, ids: np.ndarray, rows: np.ndarray, col_start: int, col_end: int) -> PreparedUpsert:
+        """Validate an upsert of fp32 ``rows`` [N, col_end - col_start] and split it by
+        tier. Every id must be owned here by a tier whose columns the rows cover;
+        otherwise FailedPrecondition names the ids (the client's plan is stale)."""
+        self.check_ids(ids, f"upsert {self.name}.ids")
+        if len(np.unique(ids)) != len(ids):
+            raise InvalidArgument(f"upsert {self.name}.ids: ids must be unique within one upsert")
+        codes = np.take(self.code, ids)
+        covered = np.zeros(len(ids), dtype=bool)
+        groups: list[tuple[Tier, np.ndarray, np.ndarray, np.ndarray]] = []
+        for code, tier in self.tiers.items():
+            pos = np.flatnonzero(codes == code)
+            if len(pos) == 0 or not col_start <= tier.col_start < tier.col_end <= col_end:
+                continue
+            group_ids = np.take(ids, pos)
+            group_rows = np.take(rows, pos, axis=0)[:, tier.col_start - col_start : tier.col_end - col_start]
+            groups.append((tier, group_ids, np.take(self.slot, group_ids), np.ascontiguousarray(group_rows, dtype=np.float32)))
+            covered[pos] = True
+        if not covered.all():
+            raise FailedPrecondition(
+                f"upsert {self.name}: this shard does not own ids {_quote(ids[~covered])} "
+                f"for columns {col_start}..{col_end} under its plan; refresh the plan (GetPlan) and re-route"
+            )
+        return PreparedUpsert(table=self.name, groups=groups)
+
+    def apply_upsert(self, prepared: PreparedUpsert) -> None:
+        """Update DRAM tiers / row cache after RocksDB acknowledged the write.
+        Call with :attr:`lock` held across the RocksDB write and this call."""
+        for tier, ids, slots, rows in prepared.groups:
+            tier.write(ids, slots, rows)
+
+    # -- stats ---------------------------------------------------------------------
+
+    @property
+    def cold_cache(self) -> RowCache:
+        cold = self.tiers[COLD]
+        assert isinstance(cold, ColdTier)
+        return cold.cache
+
+    def tier_sizes(self) -> dict[str, int]:
+        warm = [t for c, t in self.tiers.items() if c >= WARM0]
+        cold = self.tiers[COLD]
+        return {
+            "hot_rows": self.tiers[HOT].num_rows,
+            "hot_bytes": self.tiers[HOT].nbytes,
+            "warm_rows": sum(t.num_rows for t in warm),
+            "warm_bytes": sum(t.nbytes for t in warm),
+            "warm_col_start": min((t.col_start for t in warm), default=0),
+            "warm_col_end": max((t.col_end for t in warm), default=0),
+            "cold_rows": cold.num_rows,
+            "cold_bytes": cold.num_rows * 4 * self.dim,
+        }

@@ -1,0 +1,165 @@
+"""``recserve shard``: run, load and inspect embedding shard servers.
+
+- ``recserve shard serve --plan PLAN --shard-id K --data DIR --port P [--load-from SRC]``
+  runs one shard process (gRPC EmbeddingShard + health + reflection) until SIGTERM.
+- ``recserve shard load --plan PLAN --shard-id K --data DIR --from SRC`` bulk-loads the
+  shard's owned rows into RocksDB (idempotent: a re-run is skipped via the manifest).
+- ``recserve shard info --address HOST:PORT`` prints a shard's ShardInfo.
+
+Argument parsing only at import; grpc, numpy and RocksDB load inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+ADMIN_TOKEN_ENV = "RECSERVE_ADMIN_TOKEN"
+
+
+def _int_bytes(text: str) -> int:
+    """Parse ``67108864``, ``64M``, ``1G``, ``512k`` as bytes."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("b")
+    try:
+        return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte count (e.g. 67108864, 64M, 1G)") from None
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("shard", help="embedding shard servers: serve, bulk load, info")
+    sub = parser.add_subparsers(dest="shard_command", metavar="ACTION")
+
+    serve = sub.add_parser("serve", help="run one shard server process")
+    _add_common(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=0, help="TCP port (0 = pick a free one; see --port-file)")
+    serve.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    serve.add_argument("--load-from", default=None, help="bulk-load this source first if not loaded yet (dir of <table>.npy, .npz, .npy)")
+    serve.add_argument("--row-cache-bytes", type=_int_bytes, default=None, help="cold-row LRU cache bound (default 64M)")
+    serve.add_argument("--block-cache-bytes", type=_int_bytes, default=None, help="RocksDB block cache (default 64M)")
+    serve.add_argument("--threads", type=int, default=None, help="gather threads and torch/BLAS threads (default 1)")
+    serve.add_argument("--max-ids-per-rpc", type=int, default=None, help="larger requests get RESOURCE_EXHAUSTED (default 262144)")
+    serve.add_argument("--max-message-bytes", type=_int_bytes, default=None, help="gRPC send/receive limit (default 256M)")
+    serve.add_argument("--tier-dtype", choices=("plan", "float32", "float16", "int8"), default="plan", help="DRAM hot/warm tier element type (default: each table's plan dtype)")
+    serve.add_argument("--default-value", type=float, default=0.0, help="fill value of the default row for missing ids")
+    serve.add_argument("--admin-token", default=None, help=f"require this token on Upsert (or set ${ADMIN_TOKEN_ENV})")
+    serve.add_argument("--sync-writes", action="store_true", help="fsync the WAL on every upsert (power-loss durability)")
+    serve.add_argument("--fault-hook", action="store_true", help="TEST ONLY: enable injected latency/errors (also RECSERVE_FAULT_HOOK=1)")
+    serve.add_argument("--load-gate", default=None, help="TEST ONLY (needs --fault-hook): wait for this file before loading tiers")
+    serve.set_defaults(func=run)
+
+    load = sub.add_parser("load", help="bulk-load a shard's owned rows into RocksDB (idempotent)")
+    _add_common(load)
+    load.add_argument("--from", dest="source", required=True, help="source: dir of <table>.npy, .npz, or .npy for a one-table plan")
+    load.add_argument("--method", choices=("sst", "batch"), default="sst", help="SST ingestion (default) or WAL-less write batches + flush")
+    load.add_argument("--force", action="store_true", help="load again even if the manifest records this load (overwrites upserts)")
+    load.add_argument("--json", action="store_true", help="print the load report as one JSON object")
+    load.set_defaults(func=run)
+
+    info = sub.add_parser("info", help="print a running shard's ShardInfo")
+    info.add_argument("--address", required=True, help="HOST:PORT of the shard")
+    info.set_defaults(func=run)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", required=True, help="sharding plan JSON (recserve.sharding)")
+    p.add_argument("--shard-id", type=int, required=True, help="this shard's index in the plan")
+    p.add_argument("--data", required=True, help="the shard's data directory (RocksDB lives in DIR/rocksdb)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.shard_command == "serve":
+        return _serve(args)
+    if args.shard_command == "load":
+        return _load(args)
+    return _info(args)
+
+
+def _server_config(args: argparse.Namespace) -> Any:
+    import dataclasses
+
+    from recserve.config.spec import ShardServerConfig
+
+    overrides = {
+        "row_cache_bytes": args.row_cache_bytes,
+        "block_cache_bytes": args.block_cache_bytes,
+        "threads": args.threads,
+        "max_ids_per_rpc": args.max_ids_per_rpc,
+        "max_message_bytes": args.max_message_bytes,
+    }
+    return dataclasses.replace(ShardServerConfig(), **{k: v for k, v in overrides.items() if v is not None})
+
+
+def _serve(args: argparse.Namespace) -> int:
+    # Pin BLAS/OpenMP pools before numpy loads (several shards share the cores); the
+    # launcher also passes these in the environment.
+    for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
+        os.environ.setdefault(name, str(args.threads or 1))
+    import asyncio
+
+    from embedding_server.config import ShardProcessConfig
+    from embedding_server.server import serve
+
+    config = ShardProcessConfig(
+        shard_id=args.shard_id,
+        plan_path=args.plan,
+        data_dir=args.data,
+        host=args.host,
+        port=args.port,
+        port_file=args.port_file,
+        server=_server_config(args),
+        tier_dtype=args.tier_dtype,
+        default_value=args.default_value,
+        admin_token=args.admin_token if args.admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV, ""),
+        sync_writes=args.sync_writes,
+        fault_hook=args.fault_hook or os.environ.get("RECSERVE_FAULT_HOOK", "") not in ("", "0", "false", "False"),
+        load_gate_file=args.load_gate,
+        load_from=args.load_from,
+    )
+    asyncio.run(serve(config))
+    return 0
+
+
+def _load(args: argparse.Namespace) -> int:
+    from embedding_server.bulk_load import LoadMethod, bulk_load, open_source
+    from embedding_server.layout import layouts_from_plan
+    from embedding_server.server import data_paths
+    from embedding_server.store import RowStore
+    from recserve.sharding.plan import ShardingPlan
+
+    plan = ShardingPlan.load(args.plan)
+    layouts = layouts_from_plan(plan, args.shard_id)
+    source, source_id = open_source(args.source, sorted(layouts))
+    store = RowStore(data_paths(args.data), {n: l.dim for n, l in layouts.items()})
+    try:
+        report = bulk_load(
+            store, layouts, source, source_id=source_id, plan_version=plan.version, shard_id=args.shard_id,
+            method=LoadMethod(args.method), force=args.force, progress=not args.json and sys.stderr.isatty(),
+        )
+    finally:
+        store.close()
+    doc = {"key": report.key, "skipped": report.skipped, "rows_written": report.rows_written, "seconds": round(report.seconds, 3), "method": report.method.value}
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        state = "already loaded (skipped)" if report.skipped else f"loaded {sum(report.rows_written.values()):,} rows in {report.seconds:.2f} s"
+        print(f"shard {args.shard_id}: {state} [{report.key}]")
+    return 0
+
+
+def _info(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import json_format
+
+    from recserve.v1 import embedding_pb2, embedding_pb2_grpc
+
+    with grpc.insecure_channel(args.address) as channel:
+        reply = embedding_pb2_grpc.EmbeddingShardStub(channel).ShardInfo(embedding_pb2.ShardInfoRequest(), timeout=10)
+    print(json_format.MessageToJson(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+    return 0

@@ -1,0 +1,5 @@
+"""cluster layer (see DESIGN.md §2): launchers of server processes on loopback."""
+
+from recserve.cluster.shards import ShardCluster
+
+__all__ = ["ShardCluster"]

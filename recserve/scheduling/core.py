@@ -1,0 +1,386 @@
+"""The scheduler core: a synchronous state machine with no I/O (DESIGN.md §6).
+
+Every call takes ``now`` (monotonic seconds) from its caller, so tests drive it with a
+fake clock and the async :class:`~recserve.scheduling.loop.ServingLoop` drives it with
+``time.monotonic()``. Item lifecycle::
+
+    add ──▶ QUEUED ──schedule──▶ RUNNING ──complete: Done──────▶ DONE
+              ▲  │                 │  ├──complete: Continue──▶ RESIDENT ──schedule (policy runs it)──▶ RUNNING
+              │  │                 │  └──complete: Preempted─▶ QUEUED
+              │  │                 └──fail──────────────────────▶ FAILED
+              │  ├──deadline passes──▶ DROPPED (never executed)
+              │  └──cancel──▶ CANCELLED      (RUNNING + cancel: outcome discarded at complete)
+              └──policy preempts a RESIDENT item
+
+Rules shared by every policy: priority classes first, EDF within a class (see
+:class:`~recserve.scheduling.queue.EdfQueue`); admission at ``add`` (see
+:mod:`~recserve.scheduling.admission`); an item whose deadline passes before it runs is
+dropped with DEADLINE_EXCEEDED; results go to each handle's :class:`ItemListener`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Sequence
+
+from recserve.errors import Cancelled, DeadlineExceeded, InternalError, InvalidArgument, RecserveError
+from recserve.scheduling.admission import Admission, AdmissionConfig
+from recserve.scheduling.estimators import ServiceTimeEstimator
+from recserve.scheduling.metrics import DropReason, SchedulerMetrics, SchedulerStats
+from recserve.scheduling.policy_base import Policy
+from recserve.scheduling.queue import EdfQueue
+from recserve.scheduling.types import Batch, Continue, Done, Handle, ItemListener, ItemStatus, Preempted, WorkItem
+from recserve.scheduling.view import CoreView
+
+log = logging.getLogger(__name__)
+
+_QUEUED, _RUNNING, _RESIDENT, _DONE = ItemStatus.QUEUED, ItemStatus.RUNNING, ItemStatus.RESIDENT, ItemStatus.DONE
+
+
+_INF = math.inf
+
+
+def _overrides(policy: Policy, hook: str) -> bool:
+    return getattr(type(policy), hook) is not getattr(Policy, hook)
+
+
+class Scheduler:
+    """One scheduler: a policy, an EDF queue, admission limits and metrics.
+
+    Not thread-safe: call it from one thread (the serving loop's event loop)."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        admission: AdmissionConfig = AdmissionConfig(),
+        *,
+        metrics_window: int = 2048,
+        service_alpha: float = 0.1,
+    ) -> None:
+        self.policy = policy
+        self.metrics = SchedulerMetrics(metrics_window)
+        self.service = ServiceTimeEstimator(service_alpha)
+        self.admission = Admission(admission, queue_drain_s=self._queue_drain_hint, batch_service_s=self.service.mean_s)
+        self._queue = EdfQueue()
+        self._resident: dict[int, Handle] = {}  # seq -> handle, in the order they became resident
+        self._inflight: dict[int, Batch] = {}
+        self._running = 0
+        self._seq = 0
+        self._batch_seq = 0
+        self._view = CoreView(self)
+        # Hooks the policy leaves as the base no-op are skipped on the per-item path.
+        self._on_add = policy.on_add if _overrides(policy, "on_add") else None
+        self._on_finish = policy.on_finish if _overrides(policy, "on_finish") else None
+
+    # ------------------------------------------------------------------ calls
+    def add(self, item: WorkItem, now: float, listener: ItemListener | None = None) -> Handle:
+        """Admit ``item`` or raise: ResourceExhausted (queue bound / tenant quota, with a
+        retry-after hint), DeadlineExceeded (deadline already passed), InvalidArgument
+        (bad cost, or a cost no bound could ever admit)."""
+        cost = item.cost
+        if not 0.0 <= cost < _INF:
+            raise InvalidArgument(f"request {item.request_id}: cost {cost!r} must be a finite number >= 0")
+        if item.deadline <= now:
+            self.metrics.drops[DropReason.DEADLINE] += 1
+            raise DeadlineExceeded(
+                f"request {item.request_id} arrived {(now - item.deadline) * 1e3:.3f} ms after its deadline; not queued"
+            )
+        queue = self._queue
+        try:
+            quota = self.admission.admit(item.tenant, cost, queue.count, queue.cost, now)
+        except RecserveError:
+            self.metrics.drops[DropReason.REJECTED] += 1
+            raise
+        self._seq += 1
+        handle = Handle(item, self._seq, cost, now, now, listener, quota=quota)
+        queue.push(handle, now)
+        if self._on_add is not None:
+            self._on_add(handle, now)
+        return handle
+
+    def schedule(self, now: float, *, flush: bool = False) -> Batch | None:
+        """Drop expired items, then let the policy form the next batch (None = wait).
+        ``flush`` asks the policy not to wait for windows (draining)."""
+        self.expire(now)
+        if not self._queue.count and not self._resident:
+            return None
+        view = self._view
+        view.begin(now, flush)
+        try:
+            self.policy.select(view, now)
+        except BaseException:
+            view.rollback()
+            raise
+        handles, cost, took_queued = view.finish()
+        if not handles:
+            return None
+        queue = self._queue
+        if took_queued and queue.count:
+            # Leftovers have been waiting; their window runs from the oldest of them.
+            head = queue.peek()
+            queue.open_since = head.enqueued_at if head is not None else None
+        self._batch_seq += 1
+        batch = Batch(self._batch_seq, tuple(handles), cost, now)
+        self._inflight[batch.batch_id] = batch
+        self._running += len(handles)
+        metrics = self.metrics
+        metrics.batches += 1
+        metrics.batch_size.record(len(handles))
+        metrics.batch_cost.record(cost)
+        return batch
+
+    def complete(self, batch: Batch, outcomes: Sequence[Any], now: float) -> None:
+        """Apply one outcome per item (Done / Continue / Preempted). A count mismatch or a
+        non-outcome fails the batch's items with INTERNAL; outcomes of items cancelled
+        while running are discarded and their resources released here."""
+        self._take_inflight(batch)
+        handles = batch.handles
+        try:
+            count = len(outcomes)
+        except TypeError:
+            count = -1
+        if count != len(handles):
+            err = InternalError(
+                f"batch {batch.batch_id}: the runner returned {count if count >= 0 else type(outcomes).__name__} "
+                f"outcomes for {len(handles)} items; it must return exactly one per item"
+            )
+            log.error("%s", err.message)
+            self._fail_handles(handles, err, now)
+            return
+        service_s = now - batch.started_at
+        self.service.observe(batch.cost, service_s)
+        self.metrics.service_s.record(service_s)
+        policy = self.policy
+        on_finish = self._on_finish
+        record_latency = self.metrics.latency_s.record
+        release = Admission.release
+        completed = 0
+        for handle, outcome in zip(handles, outcomes):
+            if handle.status is not _RUNNING:  # cancelled while running: discard, release
+                self._release(handle, now)
+                continue
+            kind = type(outcome)
+            if kind is Done:  # the hot path, inlined: one-shot batches finish every item here
+                handle.status = _DONE
+                output = handle.output = outcome.output
+                record_latency(now - handle.arrived_at)
+                completed += 1
+                listener = handle.listener
+                if listener is not None:
+                    handle.listener = None  # terminal: no more results; breaks handle <-> listener cycles
+                    try:
+                        listener.on_done(handle, output)
+                    except Exception:
+                        log.exception("listener of request %s failed on done", handle.request_id)
+                if handle.quota is not None:
+                    release(handle.quota, handle.cost)
+                    handle.quota = None
+                if on_finish is not None:
+                    on_finish(handle, now)
+            elif kind is Continue:
+                self._continue(handle, outcome, now)
+            elif kind is Preempted:
+                if outcome.state is not None:
+                    handle.state = outcome.state
+                self._requeue(handle, now)
+                policy.on_requeue(handle, now)
+            else:
+                self._finish_error(handle, InternalError(
+                    f"request {handle.request_id}: the runner returned {kind.__name__}; expected Done, Continue or Preempted"
+                ), ItemStatus.FAILED, now)
+        self.metrics.completed += completed
+        policy.on_batch_done(batch, service_s, now)
+
+    def fail(self, batch: Batch, error: BaseException, now: float) -> None:
+        """The runner failed: every item of the batch fails with ``error`` (non-recserve
+        exceptions are wrapped as INTERNAL)."""
+        self._take_inflight(batch)
+        if isinstance(error, RecserveError):
+            err = error
+        else:
+            err = InternalError(f"batch {batch.batch_id} of {len(batch)} items failed in the runner: {error!r}")
+            err.__cause__ = error
+        self._fail_handles(batch.handles, err, now)
+
+    def cancel(self, handle: Handle, now: float) -> bool:
+        """Cancel an item. Queued / resident: removed now. Running: its outcome will be
+        discarded and its resources released at the batch's complete. Returns False if
+        the item had already finished."""
+        status = handle.status
+        if status is _QUEUED:
+            handle.status = ItemStatus.CANCELLED
+            self._queue.discard(handle)
+            self._release(handle, now)
+        elif status is _RESIDENT:
+            del self._resident[handle.seq]
+            handle.status = ItemStatus.CANCELLED
+            self._release(handle, now)
+        elif status is _RUNNING:
+            handle.status = ItemStatus.CANCELLED
+        else:
+            return False
+        self.metrics.drops[DropReason.CANCELLED] += 1
+        self._notify_error(handle, Cancelled(f"request {handle.request_id} was cancelled"))
+        return True
+
+    def expire(self, now: float) -> int:
+        """Drop queued and resident items whose deadline is <= now; returns how many."""
+        dropped = 0
+        queue = self._queue
+        while (handle := queue.pop_expired(now)) is not None:
+            self._drop(handle, now)
+            dropped += 1
+        if self._resident:
+            for handle in [h for h in self._resident.values() if h.item.deadline <= now]:
+                del self._resident[handle.seq]
+                self._drop(handle, now)
+                dropped += 1
+        return dropped
+
+    def next_deadline(self) -> float | None:
+        """The earliest deadline among queued and resident items (when ``expire`` has work)."""
+        best = self._queue.earliest_deadline()
+        for handle in self._resident.values():
+            best = min(best, handle.item.deadline)
+        return best if best < math.inf else None
+
+    def next_wakeup(self, now: float, *, flush: bool = False) -> float | None:
+        """When the owner should next call ``schedule`` (a time <= now means now), or None
+        if nothing is pending. The minimum of the policy's dispatch time and the earliest
+        deadline (to drop it on time)."""
+        if not self._queue.count and not self._resident:
+            return None
+        view = self._view
+        view.begin(now, flush)
+        try:
+            due = self.policy.ready_at(view, now)
+        finally:
+            view.finish()
+        deadline = self.next_deadline()
+        if due is None:
+            return deadline
+        return due if deadline is None else min(due, deadline)
+
+    def abort_pending(self, error: RecserveError, now: float) -> int:
+        """Fail every queued and resident item with ``error`` (a closing loop that does not
+        drain). Running items are left to their batches. Returns how many."""
+        pending = list(self._queue) + list(self._resident.values())
+        self._resident.clear()
+        for handle in pending:
+            if handle.status is _QUEUED:
+                handle.status = ItemStatus.FAILED
+                self._queue.discard(handle)
+            self._finish_error(handle, error, ItemStatus.FAILED, now)
+        return len(pending)
+
+    # ------------------------------------------------------------------ reads
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, resident or running."""
+        return not self._queue.count and not self._resident and not self._inflight
+
+    @property
+    def queued_count(self) -> int:
+        return self._queue.count
+
+    @property
+    def inflight_batches(self) -> int:
+        return len(self._inflight)
+
+    def stats(self) -> SchedulerStats:
+        m = self.metrics
+        return SchedulerStats(
+            queued_items=self._queue.count, queued_cost=self._queue.cost, running_items=self._running,
+            resident_items=len(self._resident), inflight_batches=len(self._inflight),
+            admitted=self._seq, completed=m.completed, failed=m.failed, preempted=m.preempted, batches=m.batches,
+            drops={reason.value: n for reason, n in m.drops.items()},
+            queue_wait_s=m.queue_wait_s.summary(), batch_size=m.batch_size.summary(), batch_cost=m.batch_cost.summary(),
+            service_s=m.service_s.summary(), latency_s=m.latency_s.summary(), policy=self.policy.gauges(),
+        )
+
+    # ------------------------------------------------------------------ internals
+    def _take_inflight(self, batch: Batch) -> None:
+        if self._inflight.pop(batch.batch_id, None) is None:
+            raise InternalError(f"batch {batch.batch_id} is not in flight (completed or failed twice?)")
+        self._running -= len(batch.handles)
+
+    def _requeue(self, handle: Handle, now: float) -> None:
+        handle.status = _QUEUED
+        handle.enqueued_at = now
+        self._queue.push(handle, now)
+        self.metrics.preempted += 1
+
+    def _continue(self, handle: Handle, outcome: Continue, now: float) -> None:
+        if outcome.new_cost is not None:
+            if not 0.0 <= outcome.new_cost < math.inf:
+                self._finish_error(handle, InternalError(
+                    f"request {handle.request_id}: the runner's Continue.new_cost {outcome.new_cost!r} must be a finite number >= 0"
+                ), ItemStatus.FAILED, now)
+                return
+            self._set_cost(handle, outcome.new_cost)
+        if outcome.state is not None:
+            handle.state = outcome.state
+        handle.status = _RESIDENT
+        self._resident[handle.seq] = handle
+        if outcome.partial_output is not None and handle.listener is not None:
+            try:
+                handle.listener.on_partial(handle, outcome.partial_output)
+            except Exception:
+                log.exception("listener of request %s failed on a partial output", handle.request_id)
+        self.policy.on_continue(handle, now)
+
+    def _set_cost(self, handle: Handle, cost: float) -> None:
+        if not 0.0 <= cost < math.inf:
+            raise InvalidArgument(f"request {handle.request_id}: new cost {cost!r} must be a finite number >= 0")
+        delta = cost - handle.cost
+        if handle.status is _QUEUED:
+            self._queue.adjust_cost(delta)
+        Admission.adjust(handle.quota, delta)
+        handle.cost = cost
+
+    def _drop(self, handle: Handle, now: float) -> None:
+        handle.status = ItemStatus.DROPPED
+        self.metrics.drops[DropReason.DEADLINE] += 1
+        self._notify_error(handle, DeadlineExceeded(
+            f"request {handle.request_id} missed its deadline by {(now - handle.item.deadline) * 1e3:.3f} ms after "
+            f"waiting {(now - handle.enqueued_at) * 1e3:.3f} ms in the queue; it was not executed"
+        ))
+        self._release(handle, now)
+
+    def _finish_error(self, handle: Handle, error: RecserveError, status: ItemStatus, now: float) -> None:
+        handle.status = status
+        self.metrics.failed += 1
+        self._notify_error(handle, error)
+        self._release(handle, now)
+
+    def _fail_handles(self, handles: Sequence[Handle], error: RecserveError, now: float) -> None:
+        for handle in handles:
+            if handle.status is _RUNNING:
+                self._finish_error(handle, error, ItemStatus.FAILED, now)
+            else:  # cancelled while running: already notified
+                self._release(handle, now)
+
+    def _notify_error(self, handle: Handle, error: RecserveError) -> None:
+        """Every error is terminal for the item: its last notification."""
+        handle.error = error
+        listener = handle.listener
+        if listener is not None:
+            handle.listener = None  # breaks handle <-> listener cycles (GC pauses otherwise)
+            try:
+                listener.on_error(handle, error)
+            except Exception:
+                log.exception("listener of request %s failed on an error", handle.request_id)
+
+    def _release(self, handle: Handle, now: float) -> None:
+        """The terminal transition's bookkeeping: quota back to the tenant, policy told."""
+        Admission.release(handle.quota, handle.cost)
+        handle.quota = None
+        if self._on_finish is not None:
+            self._on_finish(handle, now)
+
+    def _queue_drain_hint(self) -> float:
+        """Retry-after hint for a full queue: batches ahead × mean service per batch."""
+        sizes = self.metrics.batch_size
+        mean_size = sizes.total / sizes.count if sizes.count else 1.0
+        return self.service.mean_s() * max(1.0, self._queue.count / max(1.0, mean_size))

@@ -1,0 +1,320 @@
+"""The async serving loop: drives a :class:`~recserve.scheduling.core.Scheduler` on an
+asyncio event loop and runs its batches (DESIGN.md §6).
+
+- It sleeps until new work, a finished batch, or the scheduler's ``next_wakeup``
+  (window end / slack point / earliest deadline), then forms batches while fewer than
+  ``max_inflight`` are running. With every slot busy it still wakes at the earliest
+  deadline, so expired items fail on time.
+- The runner takes a :class:`Batch` and returns one outcome per item. A coroutine
+  function (an RPC fan-out) is awaited on the loop; a plain function (CPU work: numpy,
+  torch) runs on the executor — a thread pool of ``max_inflight`` threads by default —
+  never on the event loop.
+- An exception in the runner fails every item of the batch; a wrong outcome count is an
+  INTERNAL error for every item (the core checks it).
+- Callers ``await submit(...)`` for the result or iterate ``submit_stream(...)`` for
+  partial outputs; cancelling the awaiting task (or the future) cancels the item.
+- ``start()`` / ``aclose()`` are explicit; ``aclose()`` drains what is queued, or with
+  ``drain=False`` fails it with UNAVAILABLE. Batches already running always finish.
+
+All scheduler calls happen on the event loop thread, so the core needs no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import inspect
+import itertools
+import logging
+import math
+import time
+from typing import Any, Awaitable, Callable, Sequence, Union
+
+from recserve.errors import ConfigError, FailedPrecondition, InternalError, RecserveError, Unavailable
+from recserve.scheduling.core import Scheduler
+from recserve.scheduling.types import Batch, Handle, Priority, WorkItem
+
+log = logging.getLogger(__name__)
+
+SyncRunner = Callable[[Batch], Sequence[Any]]
+AsyncRunner = Callable[[Batch], Awaitable[Sequence[Any]]]
+Runner = Union[SyncRunner, AsyncRunner]
+
+_END = object()  # end-of-stream marker in a partials queue
+
+
+class _ItemFuture(asyncio.Future[Any]):
+    """One item's result future and its listener in one object: the core resolves it
+    through ``on_done`` / ``on_error`` and feeds ``on_partial`` to the stream queue.
+    ``cancel()`` — by the caller, or by asyncio when the task awaiting it is cancelled —
+    also cancels the item in the scheduler; no per-item done callback is needed."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, owner: ServingLoop, partials: asyncio.Queue[Any] | None) -> None:
+        super().__init__(loop=loop)
+        self._owner = owner
+        self._partials = partials
+        self.handle: Handle | None = None
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        if self.handle is not None:
+            self._owner._cancel(self.handle)
+        return True
+
+    def on_partial(self, handle: Handle, output: Any) -> None:
+        if self._partials is not None:
+            self._partials.put_nowait(output)
+
+    def on_done(self, handle: Handle, output: Any) -> None:
+        self.handle = None  # finished: nothing left to cancel; no reference cycle
+        if not self.done():
+            self.set_result(output)
+        if self._partials is not None:
+            self._partials.put_nowait(_END)
+
+    def on_error(self, handle: Handle, error: RecserveError) -> None:
+        self.handle = None
+        if not self.done():
+            self.set_exception(error)
+        if self._partials is not None:
+            self._partials.put_nowait(_END)
+
+
+class ItemStream:
+    """Partial outputs of one item as an async iterator; ``await result()`` for the final
+    output. The iterator ends when the item finishes and raises its error if it failed.
+    Cancelling a task blocked in iteration, or calling ``cancel()``, cancels the item."""
+
+    def __init__(self, future: asyncio.Future[Any], partials: asyncio.Queue[Any]) -> None:
+        self._future = future
+        self._partials = partials
+
+    def __aiter__(self) -> ItemStream:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            value = await self._partials.get()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+        if value is _END:
+            self._partials.put_nowait(_END)  # later __anext__ calls stop too
+            if not self._future.cancelled() and self._future.exception() is not None:
+                raise self._future.exception()  # type: ignore[misc]
+            raise StopAsyncIteration
+        return value
+
+    async def result(self) -> Any:
+        return await self._future
+
+    def cancel(self) -> None:
+        self._future.cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+
+class ServingLoop:
+    """Runs ``scheduler``'s batches with ``runner``, up to ``max_inflight`` at once."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        runner: Runner,
+        max_inflight: int = 1,
+        executor: concurrent.futures.Executor | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        name: str = "scheduler",
+    ) -> None:
+        if max_inflight < 1:
+            raise ConfigError(f"max_inflight = {max_inflight!r} is invalid: use at least 1 batch in flight")
+        self.scheduler = scheduler
+        self._runner = runner
+        self._is_async = inspect.iscoroutinefunction(runner) or inspect.iscoroutinefunction(getattr(runner, "__call__", None))
+        self.max_inflight = max_inflight
+        self._own_executor = executor is None and not self._is_async
+        self._executor = executor
+        self._clock = clock
+        self.name = name
+        self._ids = itertools.count(1)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._driver: asyncio.Task[None] | None = None
+        self._closing = False
+        self._drain = True
+        self._broken: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start driving the scheduler; call from inside the running event loop."""
+        if self._driver is not None:
+            raise FailedPrecondition(f"serving loop {self.name!r} was already started")
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        if self._own_executor:
+            self._executor = concurrent.futures.ThreadPoolExecutor(self.max_inflight, thread_name_prefix=f"recserve-{self.name}")
+        self._driver = self._loop.create_task(self._drive(), name=f"recserve-{self.name}-loop")
+
+    async def aclose(self, *, drain: bool = True) -> None:
+        """Stop accepting work. ``drain``: run everything queued to completion (windows
+        do not wait); otherwise fail it with UNAVAILABLE. Returns when no batch is running."""
+        if self._driver is None:
+            self._closing = True
+            return
+        if not self._closing:
+            self._closing = True
+            self._drain = drain
+        self._wake_up()
+        await asyncio.shield(self._driver)
+        if self._own_executor and self._executor is not None:
+            self._executor.shutdown(wait=True)
+
+    async def __aenter__(self) -> ServingLoop:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ submission
+    def submit_nowait(
+        self,
+        payload: Any,
+        *,
+        cost: float = 1.0,
+        deadline: float = math.inf,
+        tenant: str = "default",
+        priority: Priority | str = Priority.STANDARD,
+        request_id: str | None = None,
+    ) -> asyncio.Future[Any]:
+        """Queue one item; returns its result future (cancel it to cancel the item).
+        ``deadline`` is monotonic seconds. Admission errors (ResourceExhausted with a
+        retry-after hint, DeadlineExceeded, InvalidArgument) raise here, synchronously."""
+        return self._submit(payload, cost, deadline, tenant, priority, request_id, None)
+
+    async def submit(
+        self,
+        payload: Any,
+        *,
+        cost: float = 1.0,
+        deadline: float = math.inf,
+        tenant: str = "default",
+        priority: Priority | str = Priority.STANDARD,
+        request_id: str | None = None,
+    ) -> Any:
+        """Queue one item and await its final output (see :meth:`submit_nowait`)."""
+        return await self._submit(payload, cost, deadline, tenant, priority, request_id, None)
+
+    def submit_stream(
+        self,
+        payload: Any,
+        *,
+        cost: float = 1.0,
+        deadline: float = math.inf,
+        tenant: str = "default",
+        priority: Priority | str = Priority.STANDARD,
+        request_id: str | None = None,
+    ) -> ItemStream:
+        """Queue one streaming item: iterate the result for partial outputs (Continue),
+        ``await stream.result()`` for the final output."""
+        partials: asyncio.Queue[Any] = asyncio.Queue()
+        future = self._submit(payload, cost, deadline, tenant, priority, request_id, partials)
+        return ItemStream(future, partials)
+
+    def _submit(
+        self, payload: Any, cost: float, deadline: float, tenant: str, priority: Priority | str,
+        request_id: str | None, partials: asyncio.Queue[Any] | None,
+    ) -> asyncio.Future[Any]:
+        if self._loop is None:
+            raise FailedPrecondition(f"serving loop {self.name!r} is not started; call start() first")
+        if self._closing or self._broken is not None:
+            raise Unavailable(f"serving loop {self.name!r} is closed; not accepting work")
+        item = WorkItem(
+            request_id if request_id is not None else f"{self.name}-{next(self._ids)}",
+            tenant,
+            priority if type(priority) is Priority else Priority.parse(priority),
+            deadline,
+            cost,
+            payload,
+        )
+        future = _ItemFuture(self._loop, self, partials)
+        future.handle = self.scheduler.add(item, self._clock(), future)
+        self._wake_up()
+        return future
+
+    def _cancel(self, handle: Handle) -> None:
+        if self.scheduler.cancel(handle, self._clock()):
+            self._wake_up()
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    # ------------------------------------------------------------------ driving
+    async def _drive(self) -> None:
+        assert self._loop is not None and self._wake is not None
+        loop, wake, sched = self._loop, self._wake, self.scheduler
+        try:
+            while True:
+                wake.clear()
+                now = self._clock()
+                if self._closing and not self._drain:
+                    sched.abort_pending(Unavailable(f"serving loop {self.name!r} closed before the request ran"), now)
+                sched.expire(now)  # also when every slot is busy: expired items fail on time
+                while len(self._tasks) < self.max_inflight:
+                    batch = sched.schedule(now, flush=self._closing)
+                    if batch is None:
+                        break
+                    task = loop.create_task(self._run(batch))
+                    self._tasks.add(task)
+                if self._closing and sched.idle and not self._tasks:
+                    return
+                if len(self._tasks) < self.max_inflight:
+                    wake_at = sched.next_wakeup(now, flush=self._closing)
+                else:
+                    wake_at = sched.next_deadline()
+                timer = None
+                if wake_at is not None:
+                    delay = wake_at - self._clock()
+                    if delay <= 0:
+                        # Due already (a batch formed above may have left more ready work,
+                        # or time passed): go round again, but let other tasks run first.
+                        await asyncio.sleep(0)
+                        continue
+                    timer = loop.call_later(delay, wake.set)
+                await wake.wait()
+                if timer is not None:
+                    timer.cancel()
+        except Exception as exc:  # a policy bug must not leave callers hanging
+            log.exception("serving loop %r stopped", self.name)
+            self._broken = exc
+            sched.abort_pending(InternalError(f"serving loop {self.name!r} stopped: {exc!r}"), self._clock())
+
+    async def _run(self, batch: Batch) -> None:
+        assert self._loop is not None
+        sched = self.scheduler
+        try:
+            try:
+                if self._is_async:
+                    outcomes = await self._runner(batch)  # type: ignore[misc]
+                else:
+                    outcomes = await self._loop.run_in_executor(self._executor, self._runner, batch)
+                    if inspect.isawaitable(outcomes):
+                        if inspect.iscoroutine(outcomes):
+                            outcomes.close()
+                        raise InternalError("the runner returned an awaitable from a thread; pass an async def runner instead")
+            except asyncio.CancelledError:
+                sched.fail(batch, Unavailable(f"serving loop {self.name!r} was cancelled while the batch ran"), self._clock())
+                raise
+            except Exception as exc:
+                log.debug("batch %d failed: %r", batch.batch_id, exc)
+                sched.fail(batch, exc, self._clock())
+            else:
+                sched.complete(batch, outcomes, self._clock())
+        finally:
+            self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
+            self._wake_up()

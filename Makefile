@@ -15,7 +15,8 @@ PYTEST_ARGS ?=
 venv: $(STAMP)
 
 $(STAMP): requirements.lock pyproject.toml
-	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# Debian strips ensurepip from its python3; python3-venv brings it back.
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo 'installing python3-venv (Debian) for the virtualenv'; apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null && $(PYTHON) -m venv $(VENV); } || { echo 'cannot create .venv: install python3-venv (apt-get install python3-venv)'; exit 1; }
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.lock $(FBGEMM)
 	# torchrec's metadata pulls the multi-GB CUDA fbgemm-gpu; its real deps are in the lock.
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps torchrec==1.8.0

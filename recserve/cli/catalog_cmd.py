@@ -85,8 +85,13 @@ def _generate(args: argparse.Namespace) -> int:
     out: Path = args.out
     if (out / MANIFEST).exists() and not args.force:
         raise FailedPrecondition(f"{out} already holds a catalog; pass --force to replace it or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise FailedPrecondition(f"--out {out} is a file; pass a directory (it is created if missing)")
     start = time.perf_counter()
-    catalog = generate_catalog(config, out, progress=not args.no_progress)
+    try:
+        catalog = generate_catalog(config, out, progress=not args.no_progress)
+    except OSError as exc:  # unwritable / full disk: a clear error, not a traceback
+        raise FailedPrecondition(f"cannot write the catalog to --out {out}: {exc.strerror or exc} ({exc.filename}); pass a writable directory with room for it") from exc
     elapsed = time.perf_counter() - start
     summary = summarize(catalog)
     summary["generate_seconds"] = round(elapsed, 3)

@@ -8,7 +8,9 @@ value and the fix.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -71,21 +73,69 @@ name = "default"
 T = TypeVar("T")
 
 
-def _build(cls: type[T], section: str, raw: Any) -> T:
+# What a field of each Python type must look like in TOML, as the fix in an error message.
+_TYPE_FIX: dict[type, str] = {
+    int: "use an integer (no quotes, no decimal point)",
+    float: "use a number (no quotes)",
+    str: "use a quoted string",
+    bool: "use true or false",
+}
+
+
+def _is_number(value: Any) -> bool:
+    # bool is an int subclass in Python, but `rows = true` is never meant as 1.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _coerce(field: str, value: Any, hint: Any) -> Any:
+    """Check one TOML value against its dataclass field type; return it converted
+    (ints to float for float fields, lists to tuples). Raises ConfigError naming
+    ``field``, the value and the fix."""
+    if typing.get_origin(hint) is tuple:
+        items = value if isinstance(value, list) else None
+        if items is None or not all(_is_number(v) for v in items):
+            raise ConfigError(f"{field} = {value!r} is invalid: use a list of numbers, e.g. [0.25, 0.25, 0.25, 0.25]")
+        return tuple(float(v) for v in items)
+    if hint is float:
+        if not _is_number(value):
+            raise ConfigError(f"{field} = {value!r} is invalid: {_TYPE_FIX[float]}")
+        if math.isnan(value):
+            raise ConfigError(f"{field} = nan is invalid: use a real number (nan compares false with every bound)")
+        return float(value)
+    if hint is int and not (isinstance(value, int) and not isinstance(value, bool)):
+        raise ConfigError(f"{field} = {value!r} is invalid: {_TYPE_FIX[int]}")
+    if hint in (str, bool) and not isinstance(value, hint):
+        raise ConfigError(f"{field} = {value!r} is invalid: {_TYPE_FIX[hint]}")
+    return value
+
+
+def _build(cls: type[T], section: str, raw: Any, header: str) -> T:
+    """Build one config dataclass from a TOML table ``raw`` found at ``section``
+    (``header`` is how the user writes it: ``[sharding]``, ``[[tables]]``). Unknown keys,
+    missing required keys and values of the wrong type are ConfigErrors naming the field;
+    range checks are the dataclass's own ``__post_init__``."""
     if not isinstance(raw, dict):
-        raise ConfigError(f"{section} = {raw!r} is invalid: it must be a TOML table ([{section}])")
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        raise ConfigError(f"{section} = {raw!r} is invalid: write it as a TOML table ({header} followed by key = value lines)")
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    known = {f.name for f in fields}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"{section}.{unknown[0]} = {raw[unknown[0]]!r} is not a known key; valid keys: {sorted(known)}")
-    kwargs = dict(raw)
-    for key, value in kwargs.items():
-        if isinstance(value, list):
-            kwargs[key] = tuple(value)
-    try:
-        return cls(**kwargs)
-    except TypeError as exc:  # wrong type of value reaching a comparison
-        raise ConfigError(f"{section} = {raw!r} is invalid: {exc}") from exc
+    hints = typing.get_type_hints(cls)
+    for f in fields:
+        if f.name not in raw and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            fix = _TYPE_FIX.get(hints[f.name], "set it")
+            raise ConfigError(f"{section}.{f.name} is missing: add `{f.name} = ...` under {header}; {fix}")
+    kwargs = {key: _coerce(f"{section}.{key}", value, hints[key]) for key, value in raw.items()}
+    return cls(**kwargs)
+
+
+def _entries(raw: dict[str, Any], key: str) -> list[Any]:
+    """The entries of an array-of-tables section (``[[tables]]``); absent = none."""
+    value = raw.get(key, [])
+    if not isinstance(value, list):
+        raise ConfigError(f"{key} = {value!r} is invalid: declare each entry as its own [[{key}]] table (double brackets)")
+    return value
 
 
 def parse_spec(raw: dict[str, Any]) -> ClusterConfig:
@@ -94,22 +144,26 @@ def parse_spec(raw: dict[str, Any]) -> ClusterConfig:
     unknown = sorted(set(raw) - top_known)
     if unknown:
         raise ConfigError(f"{unknown[0]} = {raw[unknown[0]]!r} is not a known section; valid sections: {sorted(top_known)}")
-    tables = tuple(_build(TableConfig, f"tables[{i}]", t) for i, t in enumerate(raw.get("tables", [])))
-    features = tuple(_build(FeatureConfig, f"features[{i}]", f) for i, f in enumerate(raw.get("features", [])))
-    tenants = tuple(_build(TenantConfig, f"tenants[{i}]", t) for i, t in enumerate(raw.get("tenants", [])))
+    tables = tuple(_build(TableConfig, f"tables[{i}]", t, "[[tables]]") for i, t in enumerate(_entries(raw, "tables")))
+    features = tuple(_build(FeatureConfig, f"features[{i}]", f, "[[features]]") for i, f in enumerate(_entries(raw, "features")))
+    tenants = tuple(_build(TenantConfig, f"tenants[{i}]", t, "[[tenants]]") for i, t in enumerate(_entries(raw, "tenants")))
     addresses = raw.get("shard_addresses", [])
     if not isinstance(addresses, list) or not all(isinstance(a, str) and ":" in a for a in addresses):
         raise ConfigError(f"shard_addresses = {addresses!r} is invalid: give a list of 'host:port' strings")
+
+    def section(cls: type[T], name: str) -> T:
+        return _build(cls, name, raw.get(name, {}), f"[{name}]")
+
     return ClusterConfig(
         tables=tables,
         features=features,
-        sharding=_build(ShardingConfig, "sharding", raw.get("sharding", {})),
+        sharding=section(ShardingConfig, "sharding"),
         shard_addresses=tuple(addresses),
-        shard_server=_build(ShardServerConfig, "shard_server", raw.get("shard_server", {})),
-        lookup=_build(LookupConfig, "lookup", raw.get("lookup", {})),
-        ranker=_build(RankerConfig, "ranker", raw.get("ranker", {})),
-        cascade=_build(CascadeConfig, "cascade", raw.get("cascade", {})),
-        gateway=_build(GatewayConfig, "gateway", raw.get("gateway", {})),
+        shard_server=section(ShardServerConfig, "shard_server"),
+        lookup=section(LookupConfig, "lookup"),
+        ranker=section(RankerConfig, "ranker"),
+        cascade=section(CascadeConfig, "cascade"),
+        gateway=section(GatewayConfig, "gateway"),
         tenants=tenants,
     )
 

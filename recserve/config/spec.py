@@ -37,7 +37,7 @@ class TableConfig:
 
     def __post_init__(self) -> None:
         f = f"tables.{self.name}"
-        _require(bool(self.name) and self.name.replace("_", "").isalnum(), "tables[].name", self.name, "use a non-empty name of letters, digits and '_'")
+        _require(isinstance(self.name, str) and bool(self.name) and self.name.replace("_", "").isalnum(), "tables[].name", self.name, "use a non-empty name of letters, digits and '_'")
         _require(isinstance(self.rows, int) and self.rows > 0, f"{f}.rows", self.rows, "set a positive integer row count")
         _require(isinstance(self.dim, int) and 0 < self.dim <= 4096, f"{f}.dim", self.dim, "set an embedding width between 1 and 4096")
         _require(self.dtype in DTYPES, f"{f}.dtype", self.dtype, f"use one of {DTYPES}")

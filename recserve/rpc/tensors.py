@@ -13,6 +13,8 @@ Example::
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from recserve.errors import InvalidArgument
@@ -74,7 +76,9 @@ def unpack(
     if any(s < 0 for s in shape):
         raise InvalidArgument(f"{field}: shape {list(shape)} has a negative dimension")
     np_dtype = _NP_OF[tensor.dtype]
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    # Python ints: np.prod in int64 wraps for a hostile shape like [2**62, 4] to 0, which
+    # would "match" empty data and then crash reshape instead of answering INVALID_ARGUMENT.
+    count = math.prod(shape)
     if len(tensor.data) != count * np_dtype.itemsize:
         raise InvalidArgument(
             f"{field}: {len(tensor.data)} bytes do not match shape {list(shape)} of "

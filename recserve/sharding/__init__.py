@@ -5,7 +5,7 @@ Depends on nothing else in the repo but ``recserve.config`` and ``recserve.error
 numpy only (no torch), so it is cheap to import.
 """
 
-from recserve.sharding.estimates import PlanEstimate, TableEstimate, estimate_plan, expected_owner_counts
+from recserve.sharding.estimates import PlanEstimate, TableEstimate, estimate_plan, expected_owner_counts, frequencies_from_lookups
 from recserve.sharding.plan import ShardAssignment, ShardingPlan, TablePlan, Tier
 from recserve.sharding.planner import PLAN_VARIANTS, PlanResult, plan_tables, plan_variants, resolve_column_splits
 from recserve.sharding.replan import moved_fraction, replan_add_shard, replan_remove_shard
@@ -26,6 +26,7 @@ __all__ = [
     "UpsertPart",
     "estimate_plan",
     "expected_owner_counts",
+    "frequencies_from_lookups",
     "moved_fraction",
     "plan_tables",
     "plan_variants",

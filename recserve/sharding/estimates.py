@@ -61,6 +61,23 @@ def access_probabilities(table: str, rows: int, freq: np.ndarray | None) -> np.n
     return f / f.sum()
 
 
+def frequencies_from_lookups(table: str, rows: int, lookup_ids: np.ndarray) -> np.ndarray:
+    """A sample of lookups (int ids [N], repeats counted) -> float64 [rows] access counts,
+    the planner's ``access_freq`` when no popularity estimate exists. One ``bincount``.
+
+    Example: rows=4, lookups [2, 0, 2] -> [1, 0, 2, 0]. ConfigError naming the first id
+    outside ``[0, rows)``."""
+    ids = np.asarray(lookup_ids)
+    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
+        raise ConfigError(f"lookup sample for table {table!r} must be a 1-D integer id array; got shape {ids.shape}, dtype {ids.dtype}")
+    if ids.size == 0:
+        raise ConfigError(f"lookup sample for table {table!r} is empty; pass at least one looked-up id")
+    bad = (ids < 0) | (ids >= rows)
+    if bad.any():
+        raise ConfigError(f"lookup sample for table {table!r}: id {int(ids[np.flatnonzero(bad)[0]]):,} is out of range [0, {rows:,})")
+    return np.bincount(ids.astype(np.intp), minlength=rows).astype(np.float64)
+
+
 def imbalance(per_shard: np.ndarray) -> float:
     """max / mean (1.0 = perfectly even; 1.0 for an all-zero load)."""
     mean = float(np.mean(per_shard))

@@ -3,7 +3,8 @@ estimates (DESIGN.md §4; reference §10.10.5, "Archetype B").
 
 Per table: the top ``hot_fraction`` of ids by access frequency are hot (replicated
 ``hot_replicas`` ways), the next ``warm_fraction`` warm (column-sharded), the rest
-cold (ring). Ties in frequency go to the lower id, so a plan is a pure function of its
+cold (ring). Frequencies are a popularity estimate (the catalog's) or counts from a
+sample of lookups (:func:`~recserve.sharding.estimates.frequencies_from_lookups`). Ties in frequency go to the lower id, so a plan is a pure function of its
 inputs. Column splits multiply fan-out (C RPCs per warm id instead of 1), which pays
 only for wide rows: ``column_splits = 0`` resolves to 1 for ``dim <= 128`` and to
 ``ceil(dim / 128)`` above, capped by the shard count.

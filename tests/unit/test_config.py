@@ -33,24 +33,55 @@ def test_minimal_spec_parses() -> None:
 
 
 @pytest.mark.parametrize(
-    "extra, field, value",
+    "extra, field, value, fix",
     [
-        ("[sharding]\nnum_shards = 0\n", "sharding.num_shards", "0"),
-        ("[sharding]\nhot_fraction = 1.5\n", "sharding.hot_fraction", "1.5"),
-        ("[sharding]\nnum_shards = 2\nhot_replicas = 3\n", "sharding.hot_replicas", "3"),
-        ("[lookup]\nwindow_ms = -1.0\n", "lookup.window_ms", "-1.0"),
-        ("[cascade]\nbudget_shares = [0.5, 0.5, 0.5, 0.5]\n", "cascade.budget_shares", "0.5"),
-        ("[gateway]\nport = 70000\n", "gateway.port", "70000"),
-        ("[[tenants]]\nname = \"a\"\npriority = \"urgent\"\n", "tenants.a.priority", "urgent"),
-        ("[sharding]\nnum_shard = 3\n", "sharding.num_shard", "3"),
-        ("shard_addresses = [\"127.0.0.1:1\"]\n", "shard_addresses", "127.0.0.1:1"),
+        ("[sharding]\nnum_shards = 0\n", "sharding.num_shards", "0", "at least 1 shard"),
+        ("[sharding]\nhot_fraction = 1.5\n", "sharding.hot_fraction", "1.5", "fraction in [0, 1]"),
+        ("[sharding]\nnum_shards = 2\nhot_replicas = 3\n", "sharding.hot_replicas", "3", "1..num_shards (2)"),
+        ("[lookup]\nwindow_ms = -1.0\n", "lookup.window_ms", "-1.0", "use 0..max_window_ms"),
+        ("[cascade]\nbudget_shares = [0.5, 0.5, 0.5, 0.5]\n", "cascade.budget_shares", "0.5", "sum to 1.0"),
+        ("[gateway]\nport = 70000\n", "gateway.port", "70000", "0..65535"),
+        ("[[tenants]]\nname = \"a\"\npriority = \"urgent\"\n", "tenants.a.priority", "urgent", "use one of"),
+        ("[sharding]\nnum_shard = 3\n", "sharding.num_shard", "3", "valid keys"),
+        ("shard_addresses = [\"127.0.0.1:1\"]\n", "shard_addresses", "127.0.0.1:1", "exactly sharding.num_shards (2)"),
+        # Wrong TOML types: named by the loader before any range check compares them.
+        ("[sharding]\nnum_shards = \"two\"\n", "sharding.num_shards", "'two'", "use an integer"),
+        ("[sharding]\nnum_shards = 2.5\n", "sharding.num_shards", "2.5", "use an integer"),
+        ("[lookup]\nwindow_ms = \"1ms\"\n", "lookup.window_ms", "'1ms'", "use a number"),
+        ("[lookup]\nhedge_budget = nan\n", "lookup.hedge_budget", "nan", "real number"),
+        ("[gateway]\nhost = 5\n", "gateway.host", "5", "quoted string"),
+        ("[cascade]\nbudget_shares = \"even\"\n", "cascade.budget_shares", "'even'", "list of numbers"),
+        ("[gateway]\nport = true\n", "gateway.port", "True", "use an integer"),
+        ("sharding = 3\n", "sharding", "3", "TOML table ([sharding]"),
+        ("tenants = 3\n", "tenants", "3", "[[tenants]]"),
     ],
 )
-def test_bad_values_name_field_and_value(extra: str, field: str, value: str) -> None:
+def test_bad_values_name_field_value_and_fix(extra: str, field: str, value: str, fix: str) -> None:
+    # `extra` goes first: a top-level key written after BASE would land in its last
+    # [[features]] table and fail as an unknown feature key instead.
     with pytest.raises(ConfigError) as info:
-        loads(BASE + extra)
+        loads(extra + BASE)
     msg = str(info.value)
-    assert field in msg and value in msg
+    assert f"{field} = " in msg and value in msg and fix in msg, msg
+
+
+def test_missing_and_mistyped_table_keys_are_named() -> None:
+    with pytest.raises(ConfigError, match=r"tables\[0\]\.dim is missing: add `dim = \.\.\.` under \[\[tables\]\]; use an integer"):
+        loads(BASE.replace("dim = 16\n", ""))
+    with pytest.raises(ConfigError, match=r"features\[0\]\.table is missing"):
+        loads(BASE.replace('table = "item"\n', ""))
+    with pytest.raises(ConfigError, match=r"tables\[0\]\.rows = 1000\.0 is invalid: use an integer"):
+        loads(BASE.replace("rows = 1000", "rows = 1000.0"))
+    with pytest.raises(ConfigError, match=r"tables\[0\]\.name = 5 is invalid: use a quoted string"):
+        loads(BASE.replace('name = "item"', "name = 5"))
+    with pytest.raises(ConfigError, match=r"tables = \{.*\} is invalid: declare each entry as its own \[\[tables\]\]"):
+        loads(BASE.replace("[[tables]]", "[tables]"))
+
+
+def test_integer_toml_values_become_floats_for_float_fields() -> None:
+    cfg = loads(BASE + "[lookup]\nwindow_ms = 1\nmax_window_ms = 2\n[cascade]\nbudget_shares = [1, 0, 0, 0]\n")
+    assert type(cfg.lookup.window_ms) is float and cfg.lookup.window_ms == 1.0
+    assert cfg.cascade.budget_shares == (1.0, 0.0, 0.0, 0.0) and all(type(s) is float for s in cfg.cascade.budget_shares)
 
 
 def test_bad_table_fields() -> None:

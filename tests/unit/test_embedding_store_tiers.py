@@ -241,3 +241,20 @@ def test_fault_parsing_and_counting() -> None:
     assert injector._take("Upsert", ()) is None  # noqa: SLF001
     taken = [injector._take("Lookup", ()) for _ in range(3)]  # noqa: SLF001
     assert [t is not None for t in taken] == [True, True, False]
+
+
+def test_repeated_cold_ids_are_served_and_cached_once(core: ShardCore) -> None:
+    """The wire contract asks for unique ids, but a repeat must not corrupt the row
+    cache (one slot per id) nor change any answer."""
+    cold = core.tables["item"].layout.cold_ids
+    a, b = int(cold[10]), int(cold[11])
+    ids = np.array([b, a, b, UNLOADED, b, a, UNLOADED])
+    cache = core.tables["item"].cold_cache
+    for _ in range(2):  # cold misses, then row-cache hits
+        rows, found, not_owned = answer(core, request(ids))
+        assert found.tolist() == [True, True, True, False, True, True, False] and not not_owned.any()
+        assert np.array_equal(rows[found], SRC[ids[found]]) and not rows[~found].any()
+        assert cache.size == 2
+    assert (cache.hits, cache.misses) == (5, 7 + 2)
+    rows, _ = cache.get(np.array([a, b]))
+    assert np.array_equal(rows, SRC[[a, b]])

@@ -32,6 +32,14 @@ def test_unpack_rejects_bad_length_and_dtype() -> None:
         tensors.unpack(ok, "rows", expect_ndim=2)
     with pytest.raises(InvalidArgument, match="unknown dtype enum 99"):
         tensors.unpack(common_pb2.Tensor(dtype=99, shape=[1], data=b"x"), "ids")  # type: ignore[arg-type]
+    # A shape whose element count overflows int64 must not pass as "0 bytes expected".
+    huge = common_pb2.Tensor(dtype=common_pb2.INT64, shape=[2**62, 4], data=b"")
+    with pytest.raises(InvalidArgument, match=r"ids: 0 bytes do not match shape \[4611686018427387904, 4\]"):
+        tensors.unpack(huge, "ids")
+    with pytest.raises(InvalidArgument, match="negative dimension"):
+        tensors.unpack(common_pb2.Tensor(dtype=common_pb2.INT64, shape=[-1], data=b""), "ids")
+    # A 0-d tensor is one element.
+    assert tensors.unpack(tensors.pack(np.array(7, dtype=np.int64)), "x").item() == 7
 
 
 def test_deadline_takes_the_earlier_of_header_and_grpc() -> None:
@@ -57,6 +65,20 @@ def test_context_from_header() -> None:
         deadline.context_from_header(late)
     with pytest.raises(InvalidArgument, match="priority"):
         deadline.make_header(priority="urgent")
+    with pytest.raises(InvalidArgument, match=r"header\.priority is 7; use CRITICAL"):
+        deadline.context_from_header(common_pb2.RequestHeader(request_id="r3", priority=7))  # type: ignore[arg-type]
+    unspecified = deadline.context_from_header(common_pb2.RequestHeader())
+    assert (unspecified.priority, unspecified.tenant, unspecified.deadline) == ("standard", "default", math.inf)
+    assert unspecified.request_id  # a fresh id when the caller sent none
+
+
+def test_context_takes_grpc_deadline_when_it_is_earlier() -> None:
+    hdr = deadline.make_header(timeout_s=60.0)
+    before = time.monotonic()
+    ctx = deadline.context_from_header(hdr, grpc_time_remaining_s=0.5)
+    assert before + 0.5 <= ctx.deadline <= time.monotonic() + 0.5
+    with pytest.raises(DeadlineExceeded):
+        deadline.context_from_header(hdr, grpc_time_remaining_s=-0.01)
 
 
 def test_status_mapping_is_total_and_specific() -> None:

@@ -155,3 +155,24 @@ def test_planning_is_deterministic() -> None:
     f = zipf(5_000)
     cfg = ShardingConfig(num_shards=3)
     assert plan_tables(tables, {"item": f}, cfg).plan == plan_tables(tables, {"item": f}, cfg).plan
+
+
+def test_a_sample_of_lookups_plans_like_its_counts() -> None:
+    """The planner's second frequency source: ids looked up, repeats counted."""
+    from recserve.sharding.estimates import frequencies_from_lookups
+
+    rows = 1_000
+    sample = np.random.default_rng(4).choice(rows, size=20_000, p=zipf(rows) / zipf(rows).sum())
+    freq = frequencies_from_lookups("item", rows, sample)
+    assert freq.shape == (rows,) and freq.sum() == 20_000
+    assert freq[int(sample[0])] == np.count_nonzero(sample == sample[0])
+    assert frequencies_from_lookups("item", 4, np.array([2, 0, 2])).tolist() == [1.0, 0.0, 2.0, 0.0]
+    res = plan_tables([TableConfig("item", rows, 8)], {"item": freq}, ShardingConfig(num_shards=2, hot_fraction=0.01))
+    top = np.argsort(-freq, kind="stable")[:10]
+    assert res.plan.table("item").hot_ids.tolist() == sorted(top.tolist())
+    with pytest.raises(ConfigError, match=r"id 1,000 is out of range \[0, 1,000\)"):
+        frequencies_from_lookups("item", rows, np.array([3, 1_000]))
+    with pytest.raises(ConfigError, match="empty"):
+        frequencies_from_lookups("item", rows, np.zeros(0, dtype=np.int64))
+    with pytest.raises(ConfigError, match="integer"):
+        frequencies_from_lookups("item", rows, np.array([0.5]))

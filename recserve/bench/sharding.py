@@ -13,10 +13,11 @@ lookup client does (DESIGN.md §5), and replayed open-loop (Poisson window arriv
 Per plan, from the servers' own ``ShardInfo`` counters (deltas over the replay):
 ``imbalance`` = max/mean (slice-)rows served per shard, ``rows_per_cpu_s`` = rows
 served / server CPU seconds, ``p99_ms`` = the worst shard's p99 service time, and each
-shard's RSS beside the planner's byte estimate. Also the planner's expected imbalance on
-the same stream, the client-side window p99, and, as the same-run reference, a local
-``np.take`` gather rate. Top level: ``remap_fraction_on_add`` (cold ids moved when a
-shard is added to the hybrid plan) and ``expected_remap`` = 1/(S+1).
+shard's RSS and DRAM tier bytes beside the planner's DRAM estimate. Also the
+planner's expected imbalance on the same stream, the client-side window p99, and, as
+the same-run reference, a local ``np.take`` gather rate. Top level:
+``remap_fraction_on_add`` (cold ids moved when a shard is added to the hybrid plan)
+and ``expected_remap`` = 1/(S+1).
 """
 
 from __future__ import annotations
@@ -184,6 +185,9 @@ def _run_plan(name: str, result: Any, root: Path, source_dir: Path, windows: lis
         "client_window_p99_ms": float(np.percentile(replay.window_latencies_s, 99) * 1e3),
         "rpcs": replay.rpcs,
         "memory_rss_bytes_per_shard": [int(a.rss_bytes) for a in after],
+        # The servers' own DRAM tier sizes (hot + warm tensors), to read against the
+        # planner's DRAM estimate; RSS also holds the interpreter, gRPC and RocksDB.
+        "dram_tier_bytes_per_shard": [int(sum(t.hot_bytes + t.warm_bytes for t in a.tables)) for a in after],
         "planner_dram_bytes_per_shard": est.bytes_per_shard["dram"].astype(int).tolist(),
         "planner_rocksdb_bytes_per_shard": est.bytes_per_shard["rocksdb"].astype(int).tolist(),
         "errors": int(sum(a.errors for a in after)),
@@ -260,12 +264,13 @@ def _table(r: dict[str, Any]) -> str:
     lines = [
         f"sharding benchmark: {r['items']:,} x {r['dim']} rows, {r['shards']} shards, Zipf {r['zipf']}, "
         f"{r['windows']} windows of {r['window_lookups']:,} lookups (~{r['unique_ids_per_window']:.0f} unique) at {r['rate_windows_per_s']:.0f}/s",
-        f"{'plan':<20}{'C':>3}{'imbalance':>11}{'expected':>10}{'rows/cpu-s':>12}{'p99 ms':>9}{'win p99':>9}{'RSS MB/shard':>14}{'est DRAM MB':>13}",
+        f"{'plan':<20}{'C':>3}{'imbalance':>11}{'expected':>10}{'rows/cpu-s':>12}{'p99 ms':>9}{'win p99':>9}{'RSS MB/shard':>14}{'DRAM MB':>9}{'est DRAM MB':>13}",
     ]
     for name, p in r["plans"].items():
         lines.append(
             f"{name:<20}{(p['column_splits'] if p['warm_rows'] else '-'):>3}{p['imbalance']:>11.3f}{p['expected_imbalance']:>10.3f}{p['rows_per_cpu_s']:>12,.0f}"
             f"{p['p99_ms']:>9.2f}{p['client_window_p99_ms']:>9.2f}{max(p['memory_rss_bytes_per_shard']) / mb:>14.1f}"
+            f"{max(p['dram_tier_bytes_per_shard']) / mb:>9.2f}"
             f"{max(p['planner_dram_bytes_per_shard']) / mb:>13.2f}"
         )
     q = r["ratios"]

@@ -5,6 +5,8 @@
 - ``recserve shard load --plan PLAN --shard-id K --data DIR --from SRC`` bulk-loads the
   shard's owned rows into RocksDB (idempotent: a re-run is skipped via the manifest).
 - ``recserve shard info --address HOST:PORT`` prints a shard's ShardInfo.
+- ``recserve shard plan --out PLAN [--config SPEC] [--catalog DIR] [--shards S]`` plans
+  the spec's tables (item popularity from a catalog) and prints the planner's estimates.
 
 Argument parsing only at import; grpc, numpy and RocksDB load inside ``run``.
 """
@@ -64,6 +66,15 @@ def add_parser(subparsers: Any) -> None:
     info = sub.add_parser("info", help="print a running shard's ShardInfo")
     info.add_argument("--address", required=True, help="HOST:PORT of the shard")
     info.set_defaults(func=run)
+
+    plan = sub.add_parser("plan", help="plan the cluster spec's tables into a sharding plan JSON, with estimates")
+    plan.add_argument("--out", required=True, help="where to write the plan JSON")
+    plan.add_argument("--config", default=None, help="cluster spec TOML (default: the embedded spec)")
+    plan.add_argument("--catalog", default=None, help="catalog dir: its item popularity is the access-frequency estimate of tables with as many rows as it has items")
+    plan.add_argument("--shards", type=int, default=None, help="override sharding.num_shards")
+    plan.add_argument("--version", type=int, default=1, help="plan version (bump on every re-plan)")
+    plan.add_argument("--json", action="store_true", help="print the estimates as one JSON object")
+    plan.set_defaults(func=run)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 
@@ -78,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args)
     if args.shard_command == "load":
         return _load(args)
+    if args.shard_command == "plan":
+        return _plan(args)
     return _info(args)
 
 
@@ -162,4 +175,39 @@ def _info(args: argparse.Namespace) -> int:
     with grpc.insecure_channel(args.address) as channel:
         reply = embedding_pb2_grpc.EmbeddingShardStub(channel).ShardInfo(embedding_pb2.ShardInfoRequest(), timeout=10)
     print(json_format.MessageToJson(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import numpy as np
+
+    from recserve.config import load
+    from recserve.sharding import plan_tables
+
+    cluster = load(args.config)
+    sharding = cluster.sharding
+    if args.shards is not None:
+        hot = min(sharding.hot_replicas, args.shards)
+        sharding = dataclasses.replace(sharding, num_shards=args.shards, hot_replicas=hot, column_splits=min(sharding.column_splits, args.shards), cold_replicas=min(sharding.cold_replicas, args.shards))
+    freqs: dict[str, np.ndarray] = {}
+    if args.catalog is not None:
+        from recserve.catalog import load_catalog
+
+        catalog = load_catalog(args.catalog)
+        freqs = {t.name: np.asarray(catalog.item_popularity, dtype=np.float64) for t in cluster.tables if t.rows == catalog.num_items}
+    result = plan_tables(cluster.tables, freqs or None, sharding, version=args.version)
+    result.plan.save(args.out)
+    doc = result.to_dict()
+    doc["out"] = args.out
+    doc["popularity_from_catalog"] = sorted(freqs)
+    if args.json:
+        print(json.dumps(doc, default=lambda o: o.tolist() if hasattr(o, "tolist") else str(o)))
+    else:
+        print(f"plan v{result.plan.version}: {result.plan.num_shards} shards, tables {sorted(result.plan.tables)} -> {args.out}")
+        print(f"popularity from catalog for: {sorted(freqs) or 'none (uniform)'}")
+        print(f"expected imbalance (max/mean unique rows per shard per window): {result.imbalance:.3f}")
+        for tier, per_shard in result.estimate.bytes_per_shard.items():
+            print(f"  {tier:8s} bytes/shard: " + ", ".join(f"{int(b):,}" for b in per_shard))
     return 0

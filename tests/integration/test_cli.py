@@ -27,3 +27,17 @@ def test_bad_config_path_is_a_clear_error(tmp_path: Path) -> None:
     out = _run("-m", "recserve", "demo", "--config", str(tmp_path / "missing.toml"))
     assert out.returncode == 2
     assert "missing.toml" in out.stderr and "no such file" in out.stderr
+
+
+def test_shard_plan_writes_a_loadable_plan(tmp_path: Path) -> None:
+    import json
+
+    from recserve.sharding import ShardingPlan
+
+    out = _run("-m", "recserve", "shard", "plan", "--out", str(tmp_path / "plan.json"), "--shards", "3", "--version", "4", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    plan = ShardingPlan.load(tmp_path / "plan.json")
+    assert (plan.num_shards, plan.version) == (3, 4)
+    assert sorted(plan.tables) == ["category", "item"]
+    assert len(doc["unique_rows_per_shard"]) == 3 and doc["imbalance"] >= 1.0

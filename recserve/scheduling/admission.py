@@ -154,6 +154,15 @@ class Admission:
                 quota.inflight_cost = 0.0  # absorb float drift
 
     @staticmethod
+    def refund(quota: TenantQuota | None, cost: float) -> None:
+        """Undo an ``admit`` whose item was then refused (by the policy): its cost and its
+        rate token go back to the tenant."""
+        if quota is not None:
+            Admission.release(quota, cost)
+            if quota.rate != math.inf:
+                quota.tokens = min(quota.capacity, quota.tokens + 1.0)
+
+    @staticmethod
     def adjust(quota: TenantQuota | None, delta: float) -> None:
         """An admitted item's cost changed by ``delta`` (never rejected: it is already in)."""
         if quota is not None:

@@ -30,14 +30,12 @@ from recserve.scheduling.estimators import ServiceTimeEstimator
 from recserve.scheduling.metrics import DropReason, SchedulerMetrics, SchedulerStats
 from recserve.scheduling.policy_base import Policy
 from recserve.scheduling.queue import EdfQueue
-from recserve.scheduling.types import Batch, Continue, Done, Handle, ItemListener, ItemStatus, Preempted, WorkItem
+from recserve.scheduling.types import Batch, Continue, Done, Handle, ItemListener, ItemStatus, Preempted, Priority, WorkItem
 from recserve.scheduling.view import CoreView
 
 log = logging.getLogger(__name__)
 
 _QUEUED, _RUNNING, _RESIDENT, _DONE = ItemStatus.QUEUED, ItemStatus.RUNNING, ItemStatus.RESIDENT, ItemStatus.DONE
-
-
 _INF = math.inf
 
 
@@ -77,14 +75,21 @@ class Scheduler:
     def add(self, item: WorkItem, now: float, listener: ItemListener | None = None) -> Handle:
         """Admit ``item`` or raise: ResourceExhausted (queue bound / tenant quota, with a
         retry-after hint), DeadlineExceeded (deadline already passed), InvalidArgument
-        (bad cost, or a cost no bound could ever admit)."""
+        (bad cost / deadline / priority, or a cost no bound could ever admit), or whatever
+        the policy's ``on_add`` raises to refuse it (admission is then undone)."""
         cost = item.cost
         if not 0.0 <= cost < _INF:
             raise InvalidArgument(f"request {item.request_id}: cost {cost!r} must be a finite number >= 0")
-        if item.deadline <= now:
+        if not item.deadline > now:  # also catches a NaN deadline, which would corrupt the EDF heaps
+            if item.deadline != item.deadline:
+                raise InvalidArgument(f"request {item.request_id}: deadline {item.deadline!r} must be monotonic seconds (math.inf for none)")
             self.metrics.drops[DropReason.DEADLINE] += 1
             raise DeadlineExceeded(
                 f"request {item.request_id} arrived {(now - item.deadline) * 1e3:.3f} ms after its deadline; not queued"
+            )
+        if type(item.priority) is not Priority:  # the queue indexes its heaps by it
+            raise InvalidArgument(
+                f"request {item.request_id}: priority {item.priority!r} is not a Priority; use Priority.parse()"
             )
         queue = self._queue
         try:
@@ -94,9 +99,15 @@ class Scheduler:
             raise
         self._seq += 1
         handle = Handle(item, self._seq, cost, now, now, listener, quota=quota)
-        queue.push(handle, now)
         if self._on_add is not None:
-            self._on_add(handle, now)
+            try:
+                self._on_add(handle, now)  # the policy may refuse the item (e.g. it can never fit its KV cache)
+            except BaseException:
+                self._seq -= 1
+                self.admission.refund(quota, cost)
+                self.metrics.drops[DropReason.REJECTED] += 1
+                raise
+        queue.push(handle, now)
         return handle
 
     def schedule(self, now: float, *, flush: bool = False) -> Batch | None:
@@ -156,40 +167,49 @@ class Scheduler:
         record_latency = self.metrics.latency_s.record
         release = Admission.release
         completed = 0
-        for handle, outcome in zip(handles, outcomes):
-            if handle.status is not _RUNNING:  # cancelled while running: discard, release
-                self._release(handle, now)
-                continue
-            kind = type(outcome)
-            if kind is Done:  # the hot path, inlined: one-shot batches finish every item here
-                handle.status = _DONE
-                output = handle.output = outcome.output
-                record_latency(now - handle.arrived_at)
-                completed += 1
-                listener = handle.listener
-                if listener is not None:
-                    handle.listener = None  # terminal: no more results; breaks handle <-> listener cycles
-                    try:
-                        listener.on_done(handle, output)
-                    except Exception:
-                        log.exception("listener of request %s failed on done", handle.request_id)
-                if handle.quota is not None:
-                    release(handle.quota, handle.cost)
-                    handle.quota = None
-                if on_finish is not None:
-                    on_finish(handle, now)
-            elif kind is Continue:
-                self._continue(handle, outcome, now)
-            elif kind is Preempted:
-                if outcome.state is not None:
-                    handle.state = outcome.state
-                self._requeue(handle, now)
-                policy.on_requeue(handle, now)
-            else:
-                self._finish_error(handle, InternalError(
-                    f"request {handle.request_id}: the runner returned {kind.__name__}; expected Done, Continue or Preempted"
-                ), ItemStatus.FAILED, now)
-        self.metrics.completed += completed
+        i = -1
+        try:
+            for i, (handle, outcome) in enumerate(zip(handles, outcomes)):
+                if handle.status is not _RUNNING:  # cancelled while running: discard, release
+                    self._release(handle, now)
+                    continue
+                kind = type(outcome)
+                if kind is Done:  # the hot path, inlined: one-shot batches finish every item here
+                    handle.status = _DONE
+                    output = handle.output = outcome.output
+                    record_latency(now - handle.arrived_at)
+                    completed += 1
+                    listener = handle.listener
+                    if listener is not None:
+                        handle.listener = None  # terminal: no more results; breaks handle <-> listener cycles
+                        try:
+                            listener.on_done(handle, output)
+                        except Exception:
+                            log.exception("listener of request %s failed on done", handle.request_id)
+                    if handle.quota is not None:
+                        release(handle.quota, handle.cost)
+                        handle.quota = None
+                    if on_finish is not None:
+                        on_finish(handle, now)
+                elif kind is Continue:
+                    self._continue(handle, outcome, now)
+                elif kind is Preempted:
+                    if outcome.state is not None:
+                        handle.state = outcome.state
+                    self._requeue(handle, now)
+                    policy.on_requeue(handle, now)
+                else:
+                    self._finish_error(handle, InternalError(
+                        f"request {handle.request_id}: the runner returned {kind.__name__}; expected Done, Continue or Preempted"
+                    ), ItemStatus.FAILED, now)
+        except BaseException as exc:  # a policy hook bug: no item may be left RUNNING (its caller would hang)
+            err = InternalError(f"batch {batch.batch_id}: completing it raised {exc!r}; its unfinished items fail")
+            if 0 <= i < len(handles) and handles[i].status is _RUNNING:
+                self._finish_error(handles[i], err, ItemStatus.FAILED, now)
+            self._fail_handles(handles[i + 1:], err, now)  # not reached yet: running or cancelled in flight
+            raise
+        finally:
+            self.metrics.completed += completed
         policy.on_batch_done(batch, service_s, now)
 
     def fail(self, batch: Batch, error: BaseException, now: float) -> None:
@@ -342,9 +362,10 @@ class Scheduler:
     def _drop(self, handle: Handle, now: float) -> None:
         handle.status = ItemStatus.DROPPED
         self.metrics.drops[DropReason.DEADLINE] += 1
+        ran = f"after {handle.steps} steps it is not run again" if handle.steps else "it was not executed"
         self._notify_error(handle, DeadlineExceeded(
-            f"request {handle.request_id} missed its deadline by {(now - handle.item.deadline) * 1e3:.3f} ms after "
-            f"waiting {(now - handle.enqueued_at) * 1e3:.3f} ms in the queue; it was not executed"
+            f"request {handle.request_id} missed its deadline by {(now - handle.item.deadline) * 1e3:.3f} ms "
+            f"({(now - handle.enqueued_at) * 1e3:.3f} ms since it was last queued); {ran}"
         ))
         self._release(handle, now)
 

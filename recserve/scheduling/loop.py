@@ -170,6 +170,8 @@ class ServingLoop:
             self._drain = drain
         self._wake_up()
         await asyncio.shield(self._driver)
+        if self._tasks:  # the driver stopped on a policy bug: still wait for the running batches
+            await asyncio.wait(set(self._tasks))  # wait, unlike gather, never cancels them
         if self._own_executor and self._executor is not None:
             self._executor.shutdown(wait=True)
 
@@ -314,7 +316,10 @@ class ServingLoop:
                 log.debug("batch %d failed: %r", batch.batch_id, exc)
                 sched.fail(batch, exc, self._clock())
             else:
-                sched.complete(batch, outcomes, self._clock())
+                try:
+                    sched.complete(batch, outcomes, self._clock())
+                except Exception:  # a policy hook bug; complete already failed the batch's unfinished items
+                    log.exception("serving loop %r: completing batch %d failed", self.name, batch.batch_id)
         finally:
             self._tasks.discard(asyncio.current_task())  # type: ignore[arg-type]
             self._wake_up()

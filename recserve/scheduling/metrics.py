@@ -16,9 +16,9 @@ import math
 class DropReason(enum.Enum):
     """Why an item left without running to completion."""
 
-    DEADLINE = "deadline"  # deadline passed before it ran (never executed)
+    DEADLINE = "deadline"  # deadline passed before it ran (never executed), including already past at add
     CANCELLED = "cancelled"
-    REJECTED = "rejected"  # admission said RESOURCE_EXHAUSTED (or the deadline had passed at add)
+    REJECTED = "rejected"  # refused at add: RESOURCE_EXHAUSTED (queue / quota), a cost no bound admits, the policy
 
 
 @dataclasses.dataclass(frozen=True)

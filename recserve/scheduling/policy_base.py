@@ -130,7 +130,10 @@ class Policy(abc.ABC):
         leave it empty to wait."""
 
     def on_add(self, handle: Handle, now: float) -> None:
-        """An item was admitted (e.g. to measure the arrival rate)."""
+        """An item passed admission and is about to be queued (e.g. measure the arrival
+        rate). Raising a RecserveError here refuses it — e.g. InvalidArgument for a prompt
+        larger than the whole KV cache: the core undoes the admission (tenant cost and rate
+        token back), counts it as rejected and ``add`` raises the error to the caller."""
 
     def on_continue(self, handle: Handle, now: float) -> None:
         """An item returned Continue and is now resident (its cost may have changed)."""

@@ -1,5 +1,6 @@
 """A test-only continuous (iteration-level, decode-shaped) policy, written against the
-public Policy interface and run on the unchanged core. The decode issue reuses this shape.
+public Policy interface and run on the unchanged core. The decode issue reuses this shape
+(the policy and the toy model live in ``tests/utils.py``).
 
 The toy model: a sequence has a prompt and a target length; each step appends one token
 "<rid>:<i>". Cost = tokens held (prompt + generated), the KV-cache footprint. The policy
@@ -11,97 +12,24 @@ without the scheduler (``expected_tokens``).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 
 from recserve.config.spec import TenantConfig
 from recserve.scheduling import (
     AdmissionConfig,
-    Batch,
-    Continue,
-    Done,
     Handle,
     ItemStatus,
-    Policy,
     PolicyKind,
-    Preempted,
     Priority,
     Scheduler,
-    SchedulerView,
     WorkItem,
     make_policy,
     register_policy,
 )
 from recserve.scheduling import policy_base
-from tests.unit.test_scheduler_core import Recorder
-
-
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-    prompt_tokens: int
-    length: int  # tokens to generate
-
-
-class ToyDecodePolicy(Policy):
-    """One decode step in flight at a time; the running set's cost must fit ``token_budget``."""
-
-    kind = PolicyKind.CONTINUOUS
-
-    def __init__(self, token_budget: float) -> None:
-        self.token_budget = token_budget
-        self.finished: list[tuple[str, ItemStatus]] = []
-        self.requeued: list[str] = []
-        self.preempted: list[str] = []
-
-    def ready_at(self, view: SchedulerView, now: float) -> float | None:
-        if view.inflight_batches:
-            return None  # the step's completion is the next event
-        return now if view.resident_count or view.queued_count else None
-
-    def select(self, view: SchedulerView, now: float) -> None:
-        if view.inflight_batches:
-            return
-        running = sorted(view.resident, key=lambda h: (h.priority, h.deadline, h.seq))
-        used = sum(h.cost for h in running)
-        while used > self.token_budget and len(running) > 1:
-            victim = running.pop()  # least urgent: lowest class, latest deadline
-            view.preempt(victim)  # back to the queue; its generated tokens (state) are kept
-            self.preempted.append(victim.request_id)
-            used -= victim.cost
-        for handle in running:
-            view.run(handle)
-        while (head := view.peek()) is not None and (used + head.cost <= self.token_budget or view.batch_size == 0):
-            view.take()
-            used += head.cost
-
-    def on_requeue(self, handle: Handle, now: float) -> None:
-        self.requeued.append(handle.request_id)
-
-    def on_finish(self, handle: Handle, now: float) -> None:
-        self.finished.append((handle.request_id, handle.status))
-
-
-def expected_tokens(rid: str, length: int) -> list[str]:
-    return [f"{rid}:{i}" for i in range(length)]
-
-
-def decode_step(batch: Batch, preempt: frozenset[str] = frozenset()) -> list[Any]:
-    """The fake model: one token per sequence; state = tokens generated so far."""
-    outcomes: list[Any] = []
-    for handle in batch.handles:
-        prompt: Prompt = handle.item.payload
-        generated: list[str] = list(handle.state or [])
-        if handle.request_id in preempt:
-            outcomes.append(Preempted(state=generated))
-            continue
-        generated.append(f"{handle.request_id}:{len(generated)}")
-        if len(generated) == prompt.length:
-            outcomes.append(Done(generated))
-        else:
-            outcomes.append(Continue(partial_output=generated[-1], new_cost=prompt.prompt_tokens + len(generated), state=generated))
-    return outcomes
+from tests.utils import Prompt, Recorder, ToyDecodePolicy, decode_step, expected_tokens
 
 
 class Harness:

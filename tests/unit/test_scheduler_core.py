@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from recserve.errors import Cancelled, DeadlineExceeded, InternalError, RecserveError, ResourceExhausted, Unavailable
+from recserve.errors import Cancelled, DeadlineExceeded, InternalError, InvalidArgument, RecserveError, ResourceExhausted, Unavailable
 from recserve.rpc.status import grpc_code
 from recserve.scheduling import (
     AdmissionConfig,
@@ -28,26 +28,7 @@ from recserve.scheduling import (
     WorkItem,
 )
 from recserve.config.spec import TenantConfig
-
-
-class Recorder:
-    """ItemListener that records every result by request id."""
-
-    def __init__(self) -> None:
-        self.partials: dict[str, list[Any]] = {}
-        self.done: dict[str, Any] = {}
-        self.errors: dict[str, RecserveError] = {}
-
-    def on_partial(self, handle: Handle, output: Any) -> None:
-        self.partials.setdefault(handle.request_id, []).append(output)
-
-    def on_done(self, handle: Handle, output: Any) -> None:
-        assert handle.request_id not in self.done, "on_done twice"
-        self.done[handle.request_id] = output
-
-    def on_error(self, handle: Handle, error: RecserveError) -> None:
-        assert handle.request_id not in self.errors, "on_error twice"
-        self.errors[handle.request_id] = error
+from tests.utils import Recorder
 
 
 def item(rid: str, *, deadline: float = 100.0, cost: float = 1.0, priority: Priority = Priority.STANDARD,
@@ -337,3 +318,42 @@ def test_bad_costs_are_invalid_arguments() -> None:
         with pytest.raises(RecserveError) as info:
             sched.add(item("x", cost=bad), 0.0)
         assert grpc_code(info.value) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_bad_deadline_and_priority_are_invalid_arguments_naming_the_value() -> None:
+    sched = fp_scheduler()
+    with pytest.raises(InvalidArgument, match="deadline nan"):
+        sched.add(item("x", deadline=math.nan), 0.0)  # would corrupt the EDF heaps
+    with pytest.raises(InvalidArgument, match="priority 'urgent'"):
+        sched.add(WorkItem("y", "t", "urgent", 10.0, 1.0), 0.0)  # type: ignore[arg-type]
+    assert sched.queued_count == 0 and sched.stats().admitted == 0
+    sched.add(item("z"), 0.0)  # still serving
+
+
+class _HookBombPolicy(FeatureParallelPolicy):
+    """A policy whose on_finish raises for one request (a policy bug)."""
+
+    def __init__(self, bad: str) -> None:
+        super().__init__(FeatureParallelConfig(window_ms=0.0, max_cost=1e9))
+        self.bad = bad
+
+    def on_finish(self, handle: Handle, now: float) -> None:
+        if handle.request_id == self.bad:
+            raise ValueError("policy bug")
+
+
+def test_a_policy_hook_that_raises_in_complete_leaves_no_item_running() -> None:
+    sched = Scheduler(_HookBombPolicy(bad="b"))
+    rec = Recorder()
+    for rid in "abcd":
+        sched.add(item(rid), 0.0, rec)
+    batch = sched.schedule(0.0)
+    assert batch is not None and ids(batch) == ["a", "b", "c", "d"]
+    with pytest.raises(ValueError):
+        sched.complete(batch, [Done(rid.upper()) for rid in "abcd"], 0.1)
+    assert rec.done == {"a": "A", "b": "B"}  # resolved before the hook raised
+    assert sorted(rec.errors) == ["c", "d"] and all(isinstance(e, InternalError) for e in rec.errors.values())
+    assert sched.idle and sched.stats().running_items == 0
+    sched.add(item("e"), 0.2, rec)  # the scheduler keeps serving
+    batch = sched.schedule(0.2)
+    assert batch is not None and ids(batch) == ["e"]

@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable
 
 import pytest
 
+from recserve.config.spec import TenantConfig
 from recserve.errors import DeadlineExceeded, FailedPrecondition, InternalError, ResourceExhausted, Unavailable
 from recserve.scheduling import (
     AdmissionConfig,
@@ -21,17 +22,31 @@ from recserve.scheduling import (
     DynamicBatchPolicy,
     FeatureParallelConfig,
     FeatureParallelPolicy,
+    Handle,
+    Policy,
     PolicyKind,
     Scheduler,
+    SchedulerView,
     ServingLoop,
 )
-from recserve.scheduling import policy_base
-from tests.unit.test_scheduler_continuous import Prompt, ToyDecodePolicy, decode_step, expected_tokens
+from tests.utils import Prompt, ToyDecodePolicy, decode_step, expected_tokens
+
+
+GUARD_S = 20.0
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
+    """Run ``test`` on a fresh event loop; fail (not hang) if it takes over GUARD_S.
+    Not wait_for: it cancels only the test task and then waits for it, which hangs when
+    the test is stuck in aclose() behind a batch that never ends. Here asyncio.run's
+    shutdown cancels every task (driver and batches too), so everything unwinds."""
+
     async def guarded() -> None:
-        await asyncio.wait_for(test(), timeout=20)
+        task = asyncio.ensure_future(test())
+        done, _ = await asyncio.wait({task}, timeout=GUARD_S)
+        if not done:
+            raise AssertionError(f"the test did not finish within {GUARD_S:g} s")
+        task.result()
 
     asyncio.run(guarded())
 
@@ -192,7 +207,6 @@ def test_streaming_partial_outputs_through_the_loop() -> None:
             assert got_a == expected_tokens("a", 4) and got_b == expected_tokens("b", 1)
             assert await a.result() == expected_tokens("a", 5)
             assert await b.result() == expected_tokens("b", 2)
-        policy_base._REGISTRY.pop(PolicyKind.CONTINUOUS, None)
 
     run(test)
 
@@ -308,5 +322,88 @@ def test_closing_a_stream_cancels_its_item() -> None:
             runner.release(batch)
             await busy
         assert runner.seen == ["busy"]
+
+    run(test)
+
+
+def test_cancelling_an_item_in_flight_discards_its_result_and_frees_its_quota_when_the_batch_ends() -> None:
+    async def test() -> None:
+        runner = BlockingRunner()
+        adm = AdmissionConfig(tenants=(TenantConfig("t", max_concurrent_cost=2.0),))
+        async with ServingLoop(window_scheduler(admission=adm), runner, max_inflight=1) as loop:
+            a = loop.submit_nowait(1, tenant="t")
+            b = loop.submit_nowait(2, tenant="t")
+            batch = await runner.started.get()
+            assert len(batch) == 2
+            a.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await a
+            with pytest.raises(ResourceExhausted):  # the runner still holds a's cost
+                loop.submit_nowait(3, tenant="t")
+            runner.release(batch)
+            assert await b == 20
+            assert loop.scheduler.admission.tenant_inflight_cost("t") == 0.0  # released at complete
+            c = loop.submit_nowait(4, tenant="t", cost=2.0)  # the whole quota is free again
+            runner.release(await runner.started.get())
+            assert await c == 40
+        assert runner.seen == [1, 2, 4]
+        assert loop.scheduler.stats().drops["cancelled"] == 1
+
+    run(test)
+
+
+def test_a_policy_hook_bug_while_completing_fails_the_rest_of_the_batch_not_hangs() -> None:
+    class Bomb(FeatureParallelPolicy):
+        def on_finish(self, handle: Handle, now: float) -> None:
+            if handle.item.payload == 1:
+                raise ValueError("policy bug")
+
+    async def test() -> None:
+        async def runner(batch: Batch) -> list[Done]:
+            return [Done(p) for p in batch.payloads]
+
+        policy = Bomb(FeatureParallelConfig(window_ms=0.0, max_cost=1e9))
+        async with ServingLoop(Scheduler(policy), runner) as loop:
+            results = await asyncio.gather(*(loop.submit_nowait(i) for i in range(3)), return_exceptions=True)
+            assert results[:2] == [0, 1] and isinstance(results[2], InternalError)
+            assert await loop.submit(5) == 5  # the loop keeps serving
+
+    run(test)
+
+
+def test_a_policy_bug_in_select_fails_queued_callers_and_aclose_still_waits_for_running_batches() -> None:
+    class Flaky(Policy):
+        kind = PolicyKind.FEATURE_PARALLEL
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        def ready_at(self, view: SchedulerView, now: float) -> float | None:
+            return now
+
+        def select(self, view: SchedulerView, now: float) -> None:
+            self.calls += 1
+            if self.calls > 1:
+                raise ValueError("policy bug")
+            view.take()
+
+    async def test() -> None:
+        runner = BlockingRunner()
+        loop = ServingLoop(Scheduler(Flaky()), runner, max_inflight=2)
+        loop.start()
+        first = loop.submit_nowait(1)
+        batch = await runner.started.get()
+        second = loop.submit_nowait(2)
+        with pytest.raises(InternalError, match="policy bug"):
+            await second
+        with pytest.raises(Unavailable):
+            loop.submit_nowait(3)
+        closing = asyncio.ensure_future(loop.aclose())
+        for _ in range(5):
+            await asyncio.sleep(0)  # event-loop turns, not time: let aclose get as far as it can
+        assert not closing.done() and not first.done()  # it waits for the batch still running
+        runner.release(batch)
+        await closing
+        assert first.result() == 10
 
     run(test)

@@ -1,0 +1,368 @@
+"""Run one window: prepare, fan out one RPC per shard in parallel, hedge, resolve callers.
+
+:class:`WindowRun` is the async edge around the pure parts (window merge, routing,
+wire codec, reassembly). For one window it
+
+1. merges and deduplicates the callers' ids per table, serves what it can from the near
+   cache and routes the rest (:mod:`~recserve.lookup.route`);
+2. sends one RPC per destination shard, all at once; each carries the *latest*
+   deadline among the callers it serves;
+3. as replies arrive, scatters them into the window's unique-row matrices; a shard that
+   fails with a retryable status, or has not answered by its hedge delay, gets its
+   replicated rows re-sent to the next live replica, within the hedge budget — never
+   for non-retryable statuses;
+4. resolves callers in groups: as soon as every row a caller needs has arrived or can
+   no longer arrive, or at the caller's own deadline with what has arrived (the rest
+   default rows, counted as missing);
+5. cancels whatever is still in flight once every caller is resolved (no zombie work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+from recserve.lookup.reassemble import TableAssembly, resolve_callers
+from recserve.lookup.route import FetchUnit, first_live, route_window
+from recserve.lookup.runtime import PendingLookup, Runtime
+from recserve.lookup.transport import ShardCallError
+from recserve.lookup.window import TableWindow, merge_window
+from recserve.lookup.wire import build_request, parse_response
+from recserve.rpc.status import is_retryable
+from recserve.v1 import common_pb2
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(eq=False)
+class _Call:
+    shard: int
+    units: list[FetchUnit]
+    n_ids: int
+    sent_at: float
+    hedge_at: float
+    is_hedge: bool
+    hedged: bool = False
+    finished: bool = False
+
+
+class WindowRun:
+    """One window's life. ``await WindowRun(runtime, pending).run()``."""
+
+    def __init__(self, rt: Runtime, pending: list[PendingLookup]) -> None:
+        self.rt = rt
+        self.pending = pending
+        self.callers = [p.caller for p in pending]
+        self.plan = rt.plan
+        cfg = rt.config
+        self.dims = {t.name: t.dim for t in cfg.tables}
+        self.pooling = {t.name: t.pooling for t in cfg.tables}
+        self.partial = cfg.partial_pooling and all(c.pooled for c in self.callers)
+        self.resolved = np.zeros(len(pending), dtype=bool)
+        self.deadlines = np.array([c.deadline for c in self.callers], dtype=np.float64)
+        self.windows: dict[str, TableWindow] = {}
+        self.asm: dict[str, TableAssembly] = {}
+        self.inflight: dict[str, np.ndarray] = {}  # table -> int16 [U] outstanding calls per row
+        self.row_deadline: dict[str, np.ndarray] = {}  # table -> float [U] latest caller deadline
+        self.cache_slot: dict[str, np.ndarray] = {}
+        self.cache_version: dict[str, np.ndarray] = {}
+        self.occ_bags: dict[str, np.ndarray] | None = None
+        self.calls: dict[asyncio.Task[Any], _Call] = {}
+        self.first_send = math.inf
+        self.last_reply = -math.inf
+
+    # ---- prepare (pure, may run on a worker thread) ------------------------------------
+
+    def _prepare(self, now: float) -> dict[int, list[FetchUnit]]:
+        rt = self.rt
+        t0 = time.perf_counter()
+        self.windows = merge_window(self.callers)
+        fetch: dict[str, np.ndarray] = {}
+        for table, w in self.windows.items():
+            asm = TableAssembly(w, self.dims[table], np.ones(w.unique, np.int16), partial=self.partial)
+            self.asm[table] = asm
+            self.inflight[table] = np.zeros(w.unique, dtype=np.int16)
+            occ_deadline = np.repeat(self.deadlines, np.diff(w.id_offsets))
+            latest = np.full(w.unique, -math.inf)
+            np.maximum.at(latest, w.inverse, occ_deadline)
+            self.row_deadline[table] = latest
+            positions = np.arange(w.unique, dtype=np.int64)
+            if rt.near_cache is not None and not self.partial:
+                hit, rows, slot = rt.near_cache.get(table, w.unique_ids, now, np.bincount(w.inverse, minlength=w.unique))
+                asm.put_cached(positions[hit], rows)
+                self.cache_slot[table] = slot
+                self.cache_version[table] = rt.near_cache.versions(table, slot)
+                positions = positions[~hit]
+            fetch[table] = positions
+            rt.stats.ids_requested += w.occurrences
+            rt.stats.ids_unique += w.unique
+            rt.stats.ids_fetched += int(positions.size)
+        if self.partial:
+            self.occ_bags = {t: w.occurrence_bags() for t, w in self.windows.items()}
+        routed = route_window(
+            {t: w.unique_ids for t, w in self.windows.items()},
+            fetch,
+            {t: self.plan.table(t) for t in self.windows},
+            {t: self.plan.router(t) for t in self.windows},
+            rt.shard_state(now),
+            rotation=rt.windows_started,
+            min_ids_per_extra_rpc=rt.config.min_ids_per_extra_rpc,
+        )
+        for u in routed.units:
+            if not u.full_row:
+                self.asm[u.table].need[u.positions] = self.plan.table(u.table).column_splits
+        rt.stats.prep_s += time.perf_counter() - t0
+        return routed.by_shard()
+
+    # ---- sending -----------------------------------------------------------------------
+
+    def _header(self, deadline: float) -> common_pb2.RequestHeader:
+        first = self.pending[0]
+        unix_ms = 0 if math.isinf(deadline) else int((time.time() + deadline - self.rt.clock()) * 1000)
+        return common_pb2.RequestHeader(
+            request_id=f"window-{id(self):x}",
+            tenant=first.tenant,
+            priority=min(p.priority for p in self.pending),  # type: ignore[arg-type]
+            deadline_unix_ms=max(unix_ms, 1) if unix_ms else 0,
+        )
+
+    def _send(self, shard: int, units: list[FetchUnit], *, is_hedge: bool) -> None:
+        rt = self.rt
+        now = rt.clock()
+        deadline = max(float(self.row_deadline[u.table][u.positions].max()) for u in units)
+        timeout = rt.config.rpc_timeout_ms / 1000.0 if math.isinf(deadline) else max(deadline - now, 1e-3)
+        t0 = time.perf_counter()
+        request = build_request(
+            units,
+            self.windows,
+            row_dtype=rt.config.row_dtype,
+            header=self._header(deadline),
+            plan_version=self.plan.version,
+            occurrence_bags=self.occ_bags,
+        )
+        rt.stats.serialise_s += time.perf_counter() - t0
+        n_ids = sum(len(u) for u in units)
+        for u in units:
+            self.inflight[u.table][u.positions] += 1
+        rt.inflight_ids[shard] += n_ids
+        if is_hedge:
+            rt.stats.rpcs_hedge += 1
+        else:
+            rt.stats.rpcs_primary += 1
+            rt.budget.on_primary()
+        replicated = any(u.alternatives.shape[1] > 0 and bool((u.alternatives[:, 0] >= 0).any()) for u in units)
+        hedge_at = now + rt.tracker.hedge_delay(shard) if replicated else math.inf
+        call = _Call(shard, units, n_ids, now, hedge_at, is_hedge)
+        task = asyncio.ensure_future(rt.transport.lookup(shard, request, timeout))
+        self.calls[task] = call
+        self.first_send = min(self.first_send, now)
+
+    def _finish_call(self, call: _Call, *, latency_s: float | None) -> None:
+        if call.finished:
+            return
+        call.finished = True
+        for u in call.units:
+            self.inflight[u.table][u.positions] -= 1
+        if call.shard < self.rt.inflight_ids.shape[0]:  # a plan refresh may have shrunk the fleet
+            self.rt.inflight_ids[call.shard] -= call.n_ids
+            if latency_s is not None:
+                self.rt.tracker.record(call.shard, latency_s, self.rt.clock())
+
+    def _hedge(self, call: _Call, reason: str) -> None:
+        """Re-send ``call``'s replicated rows that have not arrived to their next live
+        replica: one RPC per alternative shard, each paid from the hedge budget."""
+        if call.hedged:
+            return
+        call.hedged = True
+        live = self.rt.breakers.live(self.rt.clock())
+        groups: dict[int, list[FetchUnit]] = {}
+        for u in call.units:
+            if u.alternatives.shape[1] == 0:
+                continue
+            asm = self.asm[u.table]
+            open_rows = asm.got[u.positions] < asm.need[u.positions]
+            alts = u.alternatives[open_rows]
+            pos = u.positions[open_rows]
+            if pos.size == 0:
+                continue
+            ok = (alts >= 0) & np.take(live, np.maximum(alts, 0))
+            has, chosen, rest = first_live(alts, ok)
+            for s in np.unique(chosen[has]).tolist():
+                m = has & (chosen == s)
+                groups.setdefault(int(s), []).append(FetchUnit(int(s), u.table, pos[m], 0, 0, rest[m]))
+        for shard, units in groups.items():
+            if not self.rt.budget.try_spend():
+                self.rt.stats.hedges_denied += 1
+                continue
+            log.debug("hedging %d rows of shard %d to shard %d (%s)", sum(len(u) for u in units), call.shard, shard, reason)
+            self._send(shard, units, is_hedge=True)
+
+    # ---- receiving ---------------------------------------------------------------------
+
+    def _on_done(self, task: asyncio.Task[Any], call: _Call) -> None:
+        rt = self.rt
+        now = rt.clock()
+        try:
+            response = task.result()
+        except ShardCallError as e:
+            self._finish_call(call, latency_s=None)
+            rt.stats.rpc_errors += 1
+            if is_retryable(e.code):
+                rt.breakers.on_failure(call.shard, now)
+                self._hedge(call, f"error {e.code.name}")
+            else:
+                log.warning("shard %d answered %s (not retried): %s", call.shard, e.code.name, e.details)
+            return
+        except Exception as e:  # a bug below the transport: fail this call only
+            self._finish_call(call, latency_s=None)
+            rt.stats.rpc_errors += 1
+            log.error("shard %d lookup failed: %r", call.shard, e)
+            return
+        rt.breakers.on_success(call.shard)
+        if now < call.hedge_at and call.shard < rt.inflight_ids.shape[0]:
+            rt.tracker.on_time(call.shard)
+        self.last_reply = max(self.last_reply, now)
+        t0 = time.perf_counter()
+        try:
+            replies = parse_response(
+                response,
+                call.units,
+                self.dims,
+                row_dtype=rt.config.row_dtype,
+                pooled=self.partial,
+                num_bags={t: w.bag_lengths.shape[0] for t, w in self.windows.items()},
+            )
+        except Exception as e:  # malformed reply: treat as a non-retryable failure
+            self._finish_call(call, latency_s=now - call.sent_at)
+            rt.stats.rpc_errors += 1
+            log.error("shard %d sent a malformed lookup reply: %s", call.shard, e)
+            return
+        t1 = time.perf_counter()
+        rt.stats.serialise_s += t1 - t0
+        for u, r in zip(call.units, replies):
+            asm = self.asm[u.table]
+            if r.pooled is not None:
+                asm.put_partial(u.positions, r.pooled, u.col_start, u.col_end, r.found, r.not_owned)
+            else:
+                assert r.rows is not None
+                asm.put_rows(u.positions, r.rows, u.col_start, u.col_end, r.found, r.not_owned)
+                if u.full_row and u.table in self.cache_slot and rt.near_cache is not None:
+                    slot = self.cache_slot[u.table][u.positions]
+                    keep = (slot >= 0) & r.found & ~r.not_owned
+                    if keep.any():
+                        ver = self.cache_version[u.table][u.positions]
+                        rt.near_cache.fill(u.table, slot[keep], ver[keep], r.rows[keep], now)
+        rt.stats.scatter_s += time.perf_counter() - t1
+        self._finish_call(call, latency_s=now - call.sent_at)
+        if response.plan_version > self.plan.version:
+            rt.on_plan_version(int(response.plan_version), call.shard)
+
+    # ---- resolving ---------------------------------------------------------------------
+
+    def _settled_callers(self) -> np.ndarray:
+        """bool [C]: callers all of whose rows arrived or have no call outstanding."""
+        unsettled = np.zeros(len(self.callers), dtype=np.int64)
+        for table, w in self.windows.items():
+            asm = self.asm[table]
+            open_rows = (asm.got < asm.need) & (self.inflight[table] > 0)
+            if not open_rows.any():
+                continue
+            cum = np.concatenate(([0], np.cumsum(np.take(open_rows, w.inverse))))
+            unsettled += cum[w.id_offsets[1:]] - cum[w.id_offsets[:-1]]
+        return unsettled == 0
+
+    def _resolve(self, group: list[int]) -> None:
+        if not group:
+            return
+        t0 = time.perf_counter()
+        results = resolve_callers(self.callers, group, self.windows, self.asm, self.pooling)
+        dt = time.perf_counter() - t0
+        if self.partial or all(self.callers[c].pooled for c in group):
+            self.rt.stats.pool_s += dt
+        else:
+            self.rt.stats.gather_s += dt
+        for c, result in zip(group, results):
+            self.resolved[c] = True
+            self.rt.stats.missing += result.missing
+            self.rt.stats.degraded_callers += int(result.missing > 0)
+            fut = self.pending[c].future
+            if not fut.done():
+                fut.set_result(result)
+
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run CPU work on the executor for big windows, inline for small ones."""
+        n = sum(c.n_ids for c in self.callers)
+        if self.rt.executor is None or n < self.rt.config.offload_ids:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.rt.executor, fn, *args)
+
+    # ---- the window's life -------------------------------------------------------------
+
+    async def run(self) -> None:
+        rt = self.rt
+        rt.windows_started += 1
+        rt.stats.windows += 1
+        rt.stats.callers += len(self.callers)
+        try:
+            by_shard = await self._offload(self._prepare, rt.clock())
+            for shard, units in by_shard.items():
+                self._send(shard, units, is_hedge=False)
+            await self._drive()
+        except BaseException as e:
+            for p in self.pending:
+                if not p.future.done():
+                    if isinstance(e, Exception):
+                        p.future.set_exception(e)
+                    else:
+                        p.future.cancel()
+            raise
+        finally:
+            self._cancel_outstanding()
+            if self.first_send < self.last_reply:
+                rt.stats.rpc_wall_s += self.last_reply - self.first_send
+
+    async def _drive(self) -> None:
+        rt = self.rt
+        while not self.resolved.all():
+            now = rt.clock()
+            ready = np.flatnonzero(~self.resolved & (self._settled_callers() | (self.deadlines <= now)))
+            if ready.size:
+                await self._offload(self._resolve, ready.tolist())
+                continue
+            active = [t for t, c in self.calls.items() if not c.finished]
+            if not active:  # nothing more can arrive
+                await self._offload(self._resolve, np.flatnonzero(~self.resolved).tolist())
+                break
+            wake = float(self.deadlines[~self.resolved].min())
+            for t in active:
+                c = self.calls[t]
+                if not c.hedged:
+                    wake = min(wake, c.hedge_at)
+            timeout = None if math.isinf(wake) else max(wake - now, 0.0)
+            done, _ = await asyncio.wait(active, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                self._on_done(t, self.calls[t])
+            now = rt.clock()
+            for t, c in list(self.calls.items()):
+                if not c.finished and not c.hedged and c.hedge_at <= now:
+                    rt.tracker.on_late(c.shard, now)
+                    self._hedge(c, "late")
+
+    def _cancel_outstanding(self) -> None:
+        now = self.rt.clock()
+        for task, call in self.calls.items():
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: a late failure nobody waits for is not an error
+            if not call.finished:
+                task.cancel()
+                # A cancelled call waited at least this long: record it as a (censored)
+                # latency so a stuck shard reads as slow and hot ids steer around it.
+                self._finish_call(call, latency_s=now - call.sent_at)

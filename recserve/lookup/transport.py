@@ -1,0 +1,111 @@
+"""The edge between the lookup client and the shard servers: async unary RPCs.
+
+:class:`ShardTransport` is what the client calls; :class:`GrpcShardTransport` is the
+real one (one grpc.aio channel per shard, message limits raised, gRPC's own retries
+off because the client hedges and fails over itself). Every failure surfaces as
+:class:`ShardCallError` carrying a ``grpc.StatusCode`` so the client can ask
+:func:`recserve.rpc.status.is_retryable` before it hedges or retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Protocol
+
+import grpc
+
+from recserve.v1 import embedding_pb2, embedding_pb2_grpc
+
+
+class ShardCallError(Exception):
+    """A shard RPC failed with ``code`` (a ``grpc.StatusCode``)."""
+
+    def __init__(self, shard: int, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"shard {shard}: {code.name}: {details}")
+        self.shard = shard
+        self.code = code
+        self.details = details
+
+
+class ShardTransport(Protocol):
+    """Async RPCs to shard ``k`` (``0 <= k < num_shards``); raise ShardCallError."""
+
+    @property
+    def num_shards(self) -> int: ...
+
+    async def lookup(self, shard: int, request: embedding_pb2.LookupRequest, timeout_s: float) -> embedding_pb2.LookupResponse: ...
+
+    async def upsert(self, shard: int, request: embedding_pb2.UpsertRequest, timeout_s: float) -> embedding_pb2.UpsertResponse: ...
+
+    async def get_plan(self, shard: int, timeout_s: float) -> embedding_pb2.GetPlanResponse: ...
+
+    async def shard_info(self, shard: int, timeout_s: float) -> embedding_pb2.ShardInfoResponse: ...
+
+    async def close(self) -> None: ...
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Client channel options: raised message limits, no transparent retries (the
+    client hedges itself), short reconnect backoff so a restarted shard is back fast."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.enable_retries", 0),
+        ("grpc.initial_reconnect_backoff_ms", 100),
+        ("grpc.min_reconnect_backoff_ms", 100),
+        ("grpc.max_reconnect_backoff_ms", 1000),
+    ]
+
+
+class GrpcShardTransport:
+    """One grpc.aio channel per shard address. Channels are created on first use, inside
+    the running event loop (grpc.aio binds a channel to the loop that made it)."""
+
+    def __init__(self, addresses: Sequence[str], *, max_message_bytes: int = 256 << 20) -> None:
+        self.addresses = list(addresses)
+        self._options = channel_options(max_message_bytes)
+        self._channels: list[grpc.aio.Channel | None] = [None] * len(self.addresses)
+        self._stubs: list[embedding_pb2_grpc.EmbeddingShardStub | None] = [None] * len(self.addresses)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.addresses)
+
+    def _stub(self, shard: int) -> embedding_pb2_grpc.EmbeddingShardStub:
+        stub = self._stubs[shard]
+        if stub is None:
+            channel = grpc.aio.insecure_channel(self.addresses[shard], options=self._options)
+            self._channels[shard] = channel
+            stub = embedding_pb2_grpc.EmbeddingShardStub(channel)
+            self._stubs[shard] = stub
+        return stub
+
+    async def _call(self, shard: int, method: str, request: object, timeout_s: float) -> object:
+        if not 0 <= shard < len(self.addresses):
+            raise ShardCallError(shard, grpc.StatusCode.INVALID_ARGUMENT, f"no address for shard {shard} ({len(self.addresses)} known)")
+        try:
+            return await getattr(self._stub(shard), method)(request, timeout=max(timeout_s, 1e-3))
+        except grpc.aio.AioRpcError as e:
+            raise ShardCallError(shard, e.code(), e.details() or "") from None
+        except asyncio.TimeoutError:
+            raise ShardCallError(shard, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.1f} ms") from None
+
+    async def lookup(self, shard: int, request: embedding_pb2.LookupRequest, timeout_s: float) -> embedding_pb2.LookupResponse:
+        return await self._call(shard, "Lookup", request, timeout_s)  # type: ignore[return-value]
+
+    async def upsert(self, shard: int, request: embedding_pb2.UpsertRequest, timeout_s: float) -> embedding_pb2.UpsertResponse:
+        return await self._call(shard, "Upsert", request, timeout_s)  # type: ignore[return-value]
+
+    async def get_plan(self, shard: int, timeout_s: float) -> embedding_pb2.GetPlanResponse:
+        return await self._call(shard, "GetPlan", embedding_pb2.GetPlanRequest(), timeout_s)  # type: ignore[return-value]
+
+    async def shard_info(self, shard: int, timeout_s: float) -> embedding_pb2.ShardInfoResponse:
+        return await self._call(shard, "ShardInfo", embedding_pb2.ShardInfoRequest(), timeout_s)  # type: ignore[return-value]
+
+    async def close(self) -> None:
+        channels = [c for c in self._channels if c is not None]
+        self._channels = [None] * len(self.addresses)
+        self._stubs = [None] * len(self.addresses)
+        for c in channels:
+            await c.close(None)

@@ -1,0 +1,102 @@
+"""Per-caller input validation, done before a caller joins a window.
+
+A bad caller (unknown feature, bad shape, out-of-range id) fails alone with
+``INVALID_ARGUMENT``; the window it would have joined never sees it. The checks are
+array operations per feature (a loop over features, never over ids).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from recserve.errors import InvalidArgument
+from recserve.lookup.types import CallerLookup, TableInput
+
+if TYPE_CHECKING:
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+_INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+
+
+def _as_int64(tensor: torch.Tensor, field: str) -> np.ndarray:
+    """A 1-D int64 numpy view of an integer tensor (copied only when cast or moved)."""
+    if tensor.dtype not in _INT_DTYPES:
+        raise InvalidArgument(f"{field} has dtype {tensor.dtype}; use an integer dtype (int64 or int32)")
+    if tensor.dim() != 1:
+        raise InvalidArgument(f"{field} has shape {list(tensor.shape)}; it must be 1-D")
+    array = tensor.numpy() if tensor.device.type == "cpu" and not tensor.requires_grad else tensor.detach().cpu().numpy()
+    return array if array.dtype == np.int64 else array.astype(np.int64)
+
+
+def validate_features(
+    features: "KeyedJaggedTensor",
+    *,
+    table_of_feature: dict[str, str],
+    table_rows: dict[str, int],
+    pooled: bool,
+    deadline: float,
+) -> CallerLookup:
+    """Check one caller's KJT and regroup it per table.
+
+    Raises :class:`InvalidArgument` naming the feature and the value for: unknown or
+    repeated keys, weighted or variable-batch KJTs, lengths that are negative or do
+    not add up to the values, non-integer ids, ids outside ``[0, rows)``.
+
+    Example: keys ``["user_hist", "item"]`` both on table ``item`` with B = 2 become one
+    :class:`TableInput` for ``item`` whose ``ids`` are user_hist's ids then item's ids
+    and whose ``lengths`` are ``[len(user_hist[0]), len(user_hist[1]), len(item[0]), ...]``.
+    """
+    keys = tuple(features.keys())
+    for k in keys:
+        if k not in table_of_feature:
+            unknown = [k for k in keys if k not in table_of_feature]
+            raise InvalidArgument(f"unknown feature(s) {unknown}; configured features: {sorted(table_of_feature)}")
+    if len(set(keys)) != len(keys):
+        raise InvalidArgument(f"feature keys {list(keys)} repeat a feature; give each feature once")
+    if features.weights_or_none() is not None:
+        raise InvalidArgument("weighted KeyedJaggedTensors are not supported by the lookup client; drop the weights")
+    if features.variable_stride_per_key():
+        raise InvalidArgument("variable-batch (per-key stride) KeyedJaggedTensors are not supported; use one batch size for every feature")
+    values = _as_int64(features.values(), "features.values")
+    lengths = _as_int64(features.lengths(), "features.lengths")
+    n_keys = len(keys)
+    batch = lengths.shape[0] // n_keys if n_keys else 0
+    if lengths.shape[0] != batch * n_keys:
+        raise InvalidArgument(f"features.lengths has {lengths.shape[0]} entries, not a multiple of the {n_keys} features")
+    if lengths.size and int(lengths.min()) < 0:
+        bad = int(np.flatnonzero(lengths < 0)[0])
+        raise InvalidArgument(f"features.lengths[{bad}] = {int(lengths[bad])} is negative")
+    per_key = lengths.reshape(n_keys, batch).sum(axis=1) if n_keys > 1 else np.array([lengths.sum()], dtype=np.int64)[:n_keys]
+    if int(per_key.sum()) != values.shape[0]:
+        raise InvalidArgument(f"features.lengths add up to {int(per_key.sum())} but features.values has {values.shape[0]} ids")
+
+    # Range checks and regrouping: one pass per feature (a handful), arrays inside.
+    by_table: dict[str, tuple[list[str], list[np.ndarray], list[np.ndarray]]] = {}
+    start = 0
+    for k, key in enumerate(keys):
+        table = table_of_feature[key]
+        end = start + int(per_key[k])
+        ids = values[start:end] if n_keys > 1 else values
+        start = end
+        rows = table_rows[table]
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+            bad = int(ids[(ids < 0) | (ids >= rows)][0])
+            raise InvalidArgument(f"feature {key!r}: table {table!r} has {rows:,} rows; id {bad:,} is out of range [0, {rows:,})")
+        names, id_parts, len_parts = by_table.setdefault(table, ([], [], []))
+        names.append(key)
+        id_parts.append(ids)
+        len_parts.append(lengths[k * batch : (k + 1) * batch] if n_keys > 1 else lengths)
+    tables = {
+        t: TableInput(
+            features=tuple(names),
+            ids=id_parts[0] if len(id_parts) == 1 else np.concatenate(id_parts),
+            lengths=len_parts[0] if len(len_parts) == 1 else np.concatenate(len_parts),
+            feature_counts=np.array([p.shape[0] for p in id_parts], dtype=np.int64),
+        )
+        for t, (names, id_parts, len_parts) in by_table.items()
+    }
+    return CallerLookup(keys=keys, batch_size=batch, tables=tables, pooled=pooled, deadline=deadline, n_ids=int(values.shape[0]))

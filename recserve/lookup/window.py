@@ -1,0 +1,99 @@
+"""Merge the callers of one window and deduplicate their ids per table (pure).
+
+Every caller of a window contributes, per table, a run of ids and a run of bags. The
+runs are concatenated in window order and deduplicated with one
+``np.unique(..., return_inverse=True)`` per table, so a row wanted by several features
+and several callers is fetched once. ``inverse`` maps every occurrence back to its
+unique row; reassembly gathers / pools through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from recserve.lookup.types import CallerLookup
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclasses.dataclass(slots=True)
+class TableWindow:
+    """One table's merged, deduplicated ids of a window.
+
+    ``unique_ids``: int64 [U] sorted. ``inverse``: int64 [N], the position in
+    ``unique_ids`` of every occurrence, callers concatenated in window order.
+    ``id_offsets``: int64 [C + 1], caller c's occurrences are
+    ``inverse[id_offsets[c]:id_offsets[c + 1]]`` (empty for callers without this table).
+    ``bag_lengths``: int64 [G], every caller's bags for this table (feature-major within
+    a caller, as in its KJT). ``bag_offsets``: int64 [C + 1], caller c's bags are
+    ``bag_lengths[bag_offsets[c]:bag_offsets[c + 1]]``.
+    """
+
+    table: str
+    unique_ids: np.ndarray
+    inverse: np.ndarray
+    id_offsets: np.ndarray
+    bag_lengths: np.ndarray
+    bag_offsets: np.ndarray
+
+    @property
+    def occurrences(self) -> int:
+        return int(self.inverse.shape[0])
+
+    @property
+    def unique(self) -> int:
+        return int(self.unique_ids.shape[0])
+
+    def occurrence_bags(self) -> np.ndarray:
+        """int64 [N]: the window-wide bag index of every occurrence (bags in order)."""
+        return np.repeat(np.arange(self.bag_lengths.shape[0], dtype=np.int64), self.bag_lengths)
+
+
+def merge_window(callers: Sequence[CallerLookup]) -> dict[str, TableWindow]:
+    """Merge ``callers`` per table and deduplicate: one ``np.unique`` per table.
+
+    Example: caller 0 asks table ``t`` for ids [5, 3, 5], caller 1 for [3, 9] ->
+    ``unique_ids`` [3, 5, 9], ``inverse`` [1, 0, 1, 0, 2], ``id_offsets`` [0, 3, 5].
+    """
+    tables: list[str] = []
+    for caller in callers:
+        for name in caller.tables:
+            if name not in tables:
+                tables.append(name)
+    out: dict[str, TableWindow] = {}
+    n = len(callers)
+    for name in tables:
+        id_parts: list[np.ndarray] = []
+        len_parts: list[np.ndarray] = []
+        id_counts = np.zeros(n + 1, dtype=np.int64)
+        bag_counts = np.zeros(n + 1, dtype=np.int64)
+        for c, caller in enumerate(callers):
+            part = caller.tables.get(name)
+            if part is None:
+                continue
+            id_parts.append(part.ids)
+            len_parts.append(part.lengths)
+            id_counts[c + 1] = part.ids.shape[0]
+            bag_counts[c + 1] = part.lengths.shape[0]
+        ids = np.concatenate(id_parts) if len(id_parts) > 1 else (id_parts[0] if id_parts else _EMPTY)
+        lengths = np.concatenate(len_parts) if len(len_parts) > 1 else (len_parts[0] if len_parts else _EMPTY)
+        unique_ids, inverse = np.unique(ids, return_inverse=True)
+        out[name] = TableWindow(
+            table=name,
+            unique_ids=unique_ids.astype(np.int64, copy=False),
+            inverse=inverse.reshape(-1).astype(np.int64, copy=False),
+            id_offsets=np.cumsum(id_counts),
+            bag_lengths=lengths.astype(np.int64, copy=False),
+            bag_offsets=np.cumsum(bag_counts),
+        )
+    return out
+
+
+def dedup_ratio(windows: dict[str, TableWindow]) -> float:
+    """Ids requested / unique ids fetched, over all tables (1.0 for an empty window)."""
+    requested = sum(w.occurrences for w in windows.values())
+    unique = sum(w.unique for w in windows.values())
+    return requested / unique if unique else 1.0

@@ -1,0 +1,253 @@
+"""The lookup client against real shard processes on loopback (RocksDB in a temp dir).
+
+RPC and hedge counts come from the servers' own ShardInfo counters. One cluster of 3
+shards serves the whole module; tests that change it (fault, kill, upsert) undo it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from recserve.cluster.shards import ShardCluster
+from recserve.config.spec import LookupConfig, ShardServerConfig
+from recserve.lookup.client import LookupClient
+from recserve.lookup.config import LookupClientConfig
+from recserve.lookup.types import LookupResult
+from recserve.sharding.plan import ShardingPlan, Tier
+from recserve.v1 import embedding_pb2, embedding_pb2_grpc
+from tests.unit.test_lookup_client import item_kjt, lost_count
+from tests.unit.test_lookup_fakes import FEATURES, TABLES, make_config, make_plan, make_weights, tier_ids
+from tests.unit.test_lookup_oracle import ebc_pooled, make_ebc, random_kjt
+
+pytestmark = pytest.mark.integration
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Env:
+    cluster: ShardCluster
+    plan: ShardingPlan
+    freq: dict[str, np.ndarray]
+    weights: dict[str, np.ndarray]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    root: Path = tmp_path_factory.mktemp("lookup")
+    plan, freq = make_plan()
+    plan.save(root / "plan.json")
+    weights = make_weights()
+    np.savez(root / "weights.npz", **weights)  # type: ignore[arg-type]
+    server = ShardServerConfig(threads=1, row_cache_bytes=1 << 20)
+    with ShardCluster(root / "plan.json", root / "data", load_from=root / "weights.npz", fault_hook=True, server=server) as cluster:
+        yield Env(cluster, plan, freq, weights)
+
+
+def shard_info(env: Env) -> list[embedding_pb2.ShardInfoResponse]:
+    out = []
+    for address in env.cluster.addresses:
+        with grpc.insecure_channel(address) as channel:
+            out.append(embedding_pb2_grpc.EmbeddingShardStub(channel).ShardInfo(embedding_pb2.ShardInfoRequest(), timeout=5))
+    return out
+
+
+def rpcs(env: Env) -> np.ndarray:
+    return np.array([i.rpcs for i in shard_info(env)])
+
+
+def with_client(env: Env, body: Callable[[LookupClient], Awaitable[T]], config: LookupClientConfig | None = None, **kw: Any) -> tuple[LookupClient, T]:
+    async def go() -> tuple[LookupClient, T]:
+        client = LookupClient.connect(config or make_config(), env.plan, env.cluster.addresses, **kw)
+        await client.start()
+        try:
+            return client, await body(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(go())
+
+
+def kjts(env: Env, n: int, seed: int) -> list[KeyedJaggedTensor]:
+    rng = np.random.default_rng(seed)
+    keys = [f.name for f in FEATURES]
+    return [random_kjt(rng, env.plan, env.freq, keys) for _ in range(n)]
+
+
+def test_pooled_equals_torchrec_on_real_shards(env: Env) -> None:
+    inputs = kjts(env, 16, seed=11)
+    before = rpcs(env)
+    client, results = with_client(env, lambda c: asyncio.gather(*(c.lookup(k, pooled=True, timeout_s=5) for k in inputs)))
+    ebc = make_ebc(TABLES, FEATURES, env.weights)
+    for kjt, res in zip(inputs, results):
+        assert res.pooled is not None and not res.degraded
+        want = ebc_pooled(ebc, kjt)
+        got = res.pooled.to_dict()
+        for key in ("item_id", "hist_items", "wide_tag"):  # fp32 sum: exact
+            assert torch.equal(got[key], want[key]), key
+        torch.testing.assert_close(got["user_id"], want["user_id"], rtol=0, atol=1e-6)  # mean
+    assert client.stats.dedup_ratio > 1.0
+    delta = rpcs(env) - before
+    assert (delta > 0).sum() >= 2
+    assert delta.sum() == client.stats.rpcs_primary + client.stats.rpcs_hedge
+
+
+def test_partial_pooling_fp16_and_int8_on_real_shards(env: Env) -> None:
+    inputs = kjts(env, 8, seed=12)
+    ebc = make_ebc(TABLES, FEATURES, env.weights)
+    wants = [ebc_pooled(ebc, k) for k in inputs]
+    # Stated tolerances: partial pooling changes summation order (1e-5); fp16 rounds each
+    # element to 11 bits; int8 rowwise quantises to 1/255 of each row's range, summed
+    # over bags of up to 6 ids of N(0, 1) values (so a few 1e-2 at most).
+    # The shards import torch + fbgemm on their first int8 request (seconds here): a long deadline.
+    for cfg, atol in ((make_config(partial_pooling=True), 1e-5), (make_config(row_dtype="float16"), 1e-2), (make_config(row_dtype="int8"), 0.2)):
+        _, results = with_client(env, lambda c: asyncio.gather(*(c.lookup(k, pooled=True, timeout_s=60) for k in inputs)), cfg)
+        for res, want in zip(results, wants):
+            assert res.pooled is not None and not res.degraded
+            for key, value in want.items():
+                torch.testing.assert_close(res.pooled.to_dict()[key], value, rtol=1e-5, atol=atol)
+
+
+def test_many_concurrent_callers_merge_into_one_rpc_per_shard_per_window(env: Env) -> None:
+    inputs = kjts(env, 64, seed=13)
+    before = rpcs(env)
+    client, results = with_client(env, lambda c: asyncio.gather(*(c.lookup(k, pooled=True, timeout_s=5) for k in inputs)))
+    assert len(results) == 64 and not any(r.degraded for r in results)
+    s = client.stats
+    delta = rpcs(env) - before
+    assert delta.sum() == s.rpcs_primary + s.rpcs_hedge  # the servers saw exactly our RPCs
+    assert s.windows <= 4  # 64 callers merged into a few windows
+    assert s.rpcs_primary <= s.windows * env.plan.num_shards  # one RPC per shard per window
+    assert s.ids_requested / s.rpcs_primary > 64  # each RPC carried many callers' ids
+
+
+def test_one_bad_caller_fails_only_itself(env: Env) -> None:
+    good = kjts(env, 6, seed=14)
+    bad = KeyedJaggedTensor(keys=["user_id"], values=torch.tensor([3, 500]), lengths=torch.tensor([2]))
+
+    async def body(c: LookupClient) -> list[Any]:
+        calls = [c.lookup(k, pooled=True, timeout_s=5) for k in good[:3]] + [c.lookup(bad, pooled=True, timeout_s=5)] + [c.lookup(k, pooled=True, timeout_s=5) for k in good[3:]]
+        return list(await asyncio.gather(*calls, return_exceptions=True))
+
+    _, out = with_client(env, body)
+    from recserve.errors import InvalidArgument
+
+    assert isinstance(out[3], InvalidArgument) and "id 500 is out of range [0, 500)" in str(out[3])
+    ebc = make_ebc(TABLES, FEATURES, env.weights)
+    for res, k in zip(out[:3] + out[4:], good):
+        assert isinstance(res, LookupResult) and res.pooled is not None and not res.degraded
+        assert torch.equal(res.pooled.to_dict()["item_id"], ebc_pooled(ebc, k)["item_id"])
+
+
+def test_delayed_shard_is_hedged_to_a_replica_within_deadline_and_budget(env: Env) -> None:
+    slow = 0
+    hot = tier_ids(env.plan, "item", Tier.HOT)
+    hot_on_slow = hot[(env.plan.router("item").hot_replicas_of(hot) == slow).any(axis=1)]
+    warmup = kjts(env, 12, seed=15)
+    deadline_s = 0.25
+    burst = 10.0
+    cfg = make_config(hedge_burst=burst, lookup=LookupConfig(hedge_budget=0.05))
+
+    async def body(c: LookupClient) -> tuple[list[LookupResult], list[float], int, int]:
+        for k in warmup:  # latency samples for every shard
+            await c.lookup(k, pooled=True, timeout_s=5)
+        base_primary, base_hedge = c.stats.rpcs_primary, c.stats.rpcs_hedge
+        before = rpcs(env)
+        env.cluster.set_fault(slow, delay_ms=1000, methods=["Lookup"])
+        try:
+            out, took = [], []
+            for i in range(20):
+                ids = np.resize(hot_on_slow[i * 3 :], 6)
+                t0 = time.monotonic()
+                out.append(await c.lookup(item_kjt(ids), pooled=False, timeout_s=deadline_s))
+                took.append(time.monotonic() - t0)
+        finally:
+            env.cluster.set_fault(slow)
+        after = rpcs(env)
+        sent = int((after - before).sum())
+        primaries = c.stats.rpcs_primary - base_primary
+        assert c.stats.rpcs_hedge - base_hedge == sent - primaries  # servers agree with the client
+        return out, took, sent - primaries, primaries
+
+    client, (results, took, hedges, primaries) = with_client(env, body, cfg)
+    assert all(not r.degraded for r in results)  # every hot row came from a replica in time
+    assert max(took) < deadline_s + 0.05
+    assert hedges >= 1
+    assert client.stats.rpcs_hedge <= 0.05 * client.stats.rpcs_primary + burst  # the budget: 5% of primaries + burst
+    assert hedges < 20  # a stuck replica is ejected from hot routing, not hedged around on every window
+
+
+def test_killed_shard_serves_replicas_and_flags_the_rest(env: Env) -> None:
+    dead = 2
+    rng = np.random.default_rng(16)
+    per_table = {"item": "item_id", "wide": "wide_tag"}
+    batches = []
+    for _ in range(24):
+        t = ("item", "wide")[int(rng.integers(0, 2))]
+        ids = np.concatenate([rng.choice(tier_ids(env.plan, t, tier), 4) for tier in (Tier.HOT, Tier.WARM, Tier.COLD)])
+        batches.append((t, ids))
+    env.cluster.kill(dead)
+    try:
+
+        async def body(c: LookupClient) -> list[LookupResult]:
+            out: list[LookupResult] = []
+            for _ in range(3):  # several windows: failover first, then an open breaker
+                out += await asyncio.gather(*(c.lookup(item_kjt(ids, per_table[t]), pooled=False, timeout_s=2) for t, ids in batches))
+            return out
+
+        client, results = with_client(env, body)
+    finally:
+        env.cluster.restart(dead)
+    assert len(results) == 3 * len(batches)  # no caller failed
+    for i, res in enumerate(results):
+        t, ids = batches[i % len(batches)]
+        assert res.missing == lost_count(env.plan, t, ids, {dead}), i
+        rows = res.rows[per_table[t]].numpy()
+        r = env.plan.router(t)
+        hot = r.tier_of(ids) == Tier.HOT
+        np.testing.assert_array_equal(rows[hot], env.weights[t][ids[hot]])  # replicated: served
+    assert sum(r.missing for r in results) > 0
+
+
+def test_hot_upsert_visible_through_near_cache_within_bound(env: Env) -> None:
+    staleness_ms = 200.0
+    cfg = make_config(lookup=LookupConfig(near_cache_rows=10_000, near_cache_staleness_ms=staleness_ms))
+    hot = tier_ids(env.plan, "item", Tier.HOT)
+    a_id, b_id = int(hot[0]), int(hot[1])
+    old = env.weights["item"][[a_id, b_id]]
+    new = np.full((2, 16), 3.5, np.float32)
+    skew = [0.0]  # the reader's clock: real time plus a skew the test advances
+
+    async def body(reader: LookupClient) -> dict[str, Any]:
+        writer = LookupClient.connect(make_config(), env.plan, env.cluster.addresses)
+        await writer.start()
+        try:
+            seen: dict[str, Any] = {}
+            await reader.lookup(item_kjt(np.array([a_id, b_id])), pooled=False, timeout_s=2)  # fills the cache
+            await writer.upsert("item", np.array([a_id]), new[:1])  # another writer
+            seen["cached"] = (await reader.lookup(item_kjt(np.array([a_id])), pooled=False, timeout_s=2)).rows["item_id"]
+            skew[0] += staleness_ms / 1000.0 + 0.001  # the staleness bound has passed
+            seen["after_bound"] = (await reader.lookup(item_kjt(np.array([a_id])), pooled=False, timeout_s=2)).rows["item_id"]
+            await reader.upsert("item", np.array([b_id]), new[1:])  # through the reader's own path
+            seen["own"] = (await reader.lookup(item_kjt(np.array([b_id])), pooled=False, timeout_s=2)).rows["item_id"]
+            seen["hit_rate"] = reader.near_cache_hit_rate
+        finally:
+            await writer.upsert("item", np.array([a_id, b_id]), old)  # restore for other tests
+            await writer.aclose()
+        return seen
+
+    _, seen = with_client(env, body, cfg, clock=lambda: time.monotonic() + skew[0])
+    assert torch.equal(seen["cached"][0], torch.from_numpy(old[0]))  # served from the near cache
+    assert torch.equal(seen["after_bound"][0], torch.from_numpy(new[0]))  # visible once the bound passed
+    assert torch.equal(seen["own"][0], torch.from_numpy(new[1]))  # own upserts: immediately
+    assert seen["hit_rate"] > 0

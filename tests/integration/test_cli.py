@@ -41,3 +41,13 @@ def test_shard_plan_writes_a_loadable_plan(tmp_path: Path) -> None:
     assert (plan.num_shards, plan.version) == (3, 4)
     assert sorted(plan.tables) == ["category", "item"]
     assert len(doc["unique_rows_per_shard"]) == 3 and doc["imbalance"] >= 1.0
+
+
+def test_demo_runs_catalog_and_lookups_end_to_end() -> None:
+    out = _run("-m", "recserve", "demo", "--users", "500", "--callers", "16")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "users       500" in out.stdout
+    assert "pooled output equals TorchRec EmbeddingBagCollection: True" in out.stdout
+    assert "degraded    0 callers" in out.stdout
+    ratio = float(out.stdout.split("dedup ratio ")[1].split()[0])
+    assert ratio > 1.0

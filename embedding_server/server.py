@@ -33,7 +33,7 @@ from embedding_server.config import ShardProcessConfig
 from embedding_server.fault import FaultInjector, hook_enabled_by_env
 from embedding_server.layout import TableLayout, layouts_from_plan
 from embedding_server.quant import RowDType, set_threads
-from embedding_server.service import EmbeddingShardService
+from embedding_server.service import INLINE_LOOKUP_IDS, EmbeddingShardService
 from embedding_server.shard import ShardCore
 from embedding_server.store import RowStore
 from recserve.sharding.plan import ShardingPlan
@@ -115,7 +115,13 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
     executor = ThreadPoolExecutor(max_workers=config.server.threads, thread_name_prefix=f"shard{config.shard_id}")
     faults = FaultInjector(enabled=fault_hook)
     service = EmbeddingShardService(
-        shard_id=config.shard_id, plan_version=plan.version, plan_json=plan.to_json(), executor=executor, faults=faults, admin_token=config.admin_token
+        shard_id=config.shard_id,
+        plan_version=plan.version,
+        plan_json=plan.to_json(),
+        executor=executor,
+        faults=faults,
+        admin_token=config.admin_token,
+        inline_ids=INLINE_LOOKUP_IDS if config.server.threads == 1 else 0,
     )
     health = HealthServicer()
     server = grpc.aio.server(options=grpc_options(config.server.max_message_bytes))

@@ -3,8 +3,11 @@
 Per RPC: apply the test fault hook (if enabled), refuse while the tiers are loading
 (UNAVAILABLE), parse the header into one monotonic deadline, reject oversize requests on
 the event loop (cheap, from byte lengths), then run the gathers on the thread-pool
-executor. Errors leave through :func:`recserve.rpc.status.abort_with` only; the server
-keeps serving after any of them.
+executor — or, for a small lookup on a single-threaded server whose executor is idle,
+right on the event loop: the thread hop (executor queue, cross-thread wake-up, GIL
+hand-over) costs about as much as gathering a few thousand rows here, and with one
+worker thread nothing runs in parallel anyway. Errors leave through
+:func:`recserve.rpc.status.abort_with` only; the server keeps serving after any of them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import asyncio
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor
+from typing import Any, TypeVar
 
 import grpc
 
@@ -26,12 +31,30 @@ from recserve.rpc.status import abort_with
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+# Lookups up to this many ids may run inline on a one-thread server (see module doc):
+# a few ms of gathering at most, so health and ShardInfo are never held up for long.
+INLINE_LOOKUP_IDS = 8192
 
 
 class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
     """Serves one shard. ``core`` is None until :meth:`set_ready` (tiers loaded)."""
 
-    def __init__(self, *, shard_id: int, plan_version: int, plan_json: str, executor: Executor, faults: FaultInjector, admin_token: str = "") -> None:
+    def __init__(
+        self,
+        *,
+        shard_id: int,
+        plan_version: int,
+        plan_json: str,
+        executor: Executor,
+        faults: FaultInjector,
+        admin_token: str = "",
+        inline_ids: int = 0,
+    ) -> None:
+        """``inline_ids``: lookups of at most this many ids run on the event loop while
+        no executor job is in flight (0: always use the executor). Set it only for a
+        one-thread executor: the core is not thread-safe, and running inline only while
+        the executor is idle keeps every core call serialised."""
         self.shard_id = shard_id
         self.plan_version = plan_version
         self.plan_json = plan_json
@@ -41,6 +64,15 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         self.core: ShardCore | None = None
         self.counters = ShardCounters()
         self.latency = LatencyWindow()
+        self.inline_ids = inline_ids
+        self._executor_jobs = 0  # core calls submitted to the executor and not finished
+
+    async def _on_executor(self, fn: Callable[..., T], *args: Any) -> T:
+        self._executor_jobs += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        finally:
+            self._executor_jobs -= 1
 
     def set_ready(self, core: ShardCore) -> None:
         self.core = core
@@ -63,9 +95,12 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
             await self.faults.before("Lookup", context)
             core = self._ready()
             deadline = context_from_header(request.header, context.time_remaining()).deadline
-            core.check_size(count_ids(request.tables), "LookupRequest")
-            loop = asyncio.get_running_loop()
-            outcome = await loop.run_in_executor(self.executor, core.lookup, request, deadline)
+            n_ids = count_ids(request.tables)
+            core.check_size(n_ids, "LookupRequest")
+            if n_ids <= self.inline_ids and self._executor_jobs == 0:
+                outcome = core.lookup(request, deadline)
+            else:
+                outcome = await self._on_executor(core.lookup, request, deadline)
         except Exception as exc:  # noqa: BLE001  (every failure is mapped to a status)
             await self._fail(context, "Lookup", exc)
             raise  # unreachable: abort_with raises
@@ -86,8 +121,7 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
             core = self._ready()
             context_from_header(request.header, context.time_remaining())
             core.check_size(count_ids(request.tables), "UpsertRequest")
-            loop = asyncio.get_running_loop()
-            written = await loop.run_in_executor(self.executor, core.upsert, request)
+            written = await self._on_executor(core.upsert, request)
         except Exception as exc:  # noqa: BLE001
             await self._fail(context, "Upsert", exc)
             raise

@@ -176,6 +176,7 @@ async def _network_modes(args: argparse.Namespace, workdir: Path, plan: Any, tab
         _log("feature-parallel client")
         res = await closed_loop(args.concurrency, args.seconds, total, fp)
         after = await _shard_counters(client)
+        server_ms = await _server_latency_ms(client)
         stats1 = client.stats.as_dict()
         hits1, lookups1 = _near(client)
         report["rows_per_s"]["feature_parallel"] = res.rows_per_s(k)
@@ -189,6 +190,10 @@ async def _network_modes(args: argparse.Namespace, workdir: Path, plan: Any, tab
             "windows": d["windows"], "callers_per_window": d["callers"] / max(d["windows"], 1),
             "rpcs_primary": d["rpcs_primary"], "rpcs_hedge": d["rpcs_hedge"], "server_rpcs": int(after[0] - before[0]),
             "ids_per_rpc": d["ids_fetched"] / max(d["rpcs_primary"], 1), "missing": d["missing"],
+            # The shards' own Lookup handler time (median over shards of their recent
+            # p50 / p99): the part of "rpc" spent inside a shard, the rest is transport,
+            # queueing for a core and the client's event loop.
+            "server_p50_ms": server_ms[0], "server_p99_ms": server_ms[1],
         }  # fmt: skip
         per_window = 1000.0 / max(d["windows"], 1)
         report["profile_ms_per_window"] = {
@@ -233,6 +238,11 @@ def _near(client: Any) -> tuple[int, int]:
 async def _shard_counters(client: Any) -> np.ndarray:
     infos = await asyncio.gather(*(client.transport.shard_info(s, 5.0) for s in range(client.plan.num_shards)))
     return np.array([sum(i.rpcs for i in infos), sum(i.row_cache_hits for i in infos), sum(i.row_cache_misses for i in infos)], dtype=np.int64)
+
+
+async def _server_latency_ms(client: Any) -> tuple[float, float]:
+    infos = await asyncio.gather(*(client.transport.shard_info(s, 5.0) for s in range(client.plan.num_shards)))
+    return float(np.median([i.p50_ms for i in infos])), float(np.median([i.p99_ms for i in infos]))
 
 
 async def _redis_modes(args: argparse.Namespace, workdir: Path, weights: np.ndarray, stream: Any, callers_per_window: float) -> dict[str, Any]:
@@ -346,6 +356,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"client: {cl['windows']:,} windows, {cl['callers_per_window']:.1f} callers/window, {cl['ids_per_rpc']:.0f} ids/RPC, "
         f"{cl['rpcs_primary']:,} RPCs + {cl['rpcs_hedge']:,} hedges (servers counted {cl['server_rpcs']:,})",
         "profile per window (ms): " + "  ".join(f"{key} {v:.3f}" for key, v in r["profile_ms_per_window"].items()),
+        f"shard Lookup handler time (median over shards): p50 {cl['server_p50_ms']:.2f} ms  p99 {cl['server_p99_ms']:.2f} ms",
         f"reference (this run): gRPC unary RTT {r['reference']['grpc_unary_rtt_ms']:.3f} ms, np.take {r['reference']['np_take_rows_per_s']:,.0f} rows/s",
     ]
     return "\n".join(lines)

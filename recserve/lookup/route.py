@@ -205,14 +205,21 @@ def _assign_hot(
     # replica column gets an equal share of the window.
     rot = (np.arange(h)[:, None] + rotation + np.arange(r)[None, :]) % r
     ordered = np.take_along_axis(cands, rot, axis=1)
-    live = np.take(state.live, ordered)
-    fast = live & ~np.take(state.slow, ordered)
-    # Slow replicas go last: keep their relative order but prefer any fast live one.
-    pref = np.where(fast, 0, np.where(live, 1, 2)) * r + np.arange(r)[None, :]
-    order = np.argsort(pref, axis=1, kind="stable")
-    ordered = np.take_along_axis(ordered, order, axis=1)
-    live = np.take_along_axis(live, order, axis=1)
-    has, chosen, alts = first_live(ordered, live)
+    if bool(state.live.all()) and not bool(state.slow.any()):
+        # Every replica live and fast (the common case): the rotation is the preference
+        # order, so no per-row sort is needed (same result as the general path).
+        has = np.ones(h, dtype=bool)
+        chosen = ordered[:, 0].copy()
+        alts = ordered[:, 1:].astype(np.int32)
+    else:
+        live = np.take(state.live, ordered)
+        fast = live & ~np.take(state.slow, ordered)
+        # Slow replicas go last: keep their relative order but prefer any fast live one.
+        pref = np.where(fast, 0, np.where(live, 1, 2)) * r + np.arange(r)[None, :]
+        order = np.argsort(pref, axis=1, kind="stable")
+        ordered = np.take_along_axis(ordered, order, axis=1)
+        live = np.take_along_axis(live, order, axis=1)
+        has, chosen, alts = first_live(ordered, live)
     if r < 2 or not has.any():
         return chosen, alts, has
 
@@ -228,7 +235,7 @@ def _assign_hot(
         if mine.size == 0:
             continue
         partners = second[mine]
-        for dst in np.unique(partners).tolist():
+        for dst in np.flatnonzero(np.bincount(partners, minlength=load.shape[0])).tolist():
             gap = int(total[src] - total[dst])
             if gap < 2:
                 continue

@@ -24,11 +24,14 @@ _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torc
 
 def _as_int64(tensor: torch.Tensor, field: str) -> np.ndarray:
     """A 1-D int64 numpy view of an integer tensor (copied only when cast or moved)."""
-    if tensor.dtype not in _INT_DTYPES:
-        raise InvalidArgument(f"{field} has dtype {tensor.dtype}; use an integer dtype (int64 or int32)")
-    if tensor.dim() != 1:
-        raise InvalidArgument(f"{field} has shape {list(tensor.shape)}; it must be 1-D")
-    array = tensor.numpy() if tensor.device.type == "cpu" and not tensor.requires_grad else tensor.detach().cpu().numpy()
+    if getattr(tensor, "dtype", None) not in _INT_DTYPES:
+        raise InvalidArgument(f"{field} has dtype {getattr(tensor, 'dtype', type(tensor).__name__)}; use an integer dtype (int64 or int32)")
+    try:
+        array = tensor.numpy()  # the common case: a CPU tensor without grad, zero-copy
+    except RuntimeError:  # on a device, or requires grad
+        array = tensor.detach().cpu().numpy()
+    if array.ndim != 1:
+        raise InvalidArgument(f"{field} has shape {list(array.shape)}; it must be 1-D")
     return array if array.dtype == np.int64 else array.astype(np.int64)
 
 
@@ -51,11 +54,12 @@ def validate_features(
     and whose ``lengths`` are ``[len(user_hist[0]), len(user_hist[1]), len(item[0]), ...]``.
     """
     keys = tuple(features.keys())
-    for k in keys:
-        if k not in table_of_feature:
-            unknown = [k for k in keys if k not in table_of_feature]
-            raise InvalidArgument(f"unknown feature(s) {unknown}; configured features: {sorted(table_of_feature)}")
-    if len(set(keys)) != len(keys):
+    tables_of = [table_of_feature.get(k) for k in keys]
+    if None in tables_of:
+        unknown = [k for k in keys if k not in table_of_feature]
+        raise InvalidArgument(f"unknown feature(s) {unknown}; configured features: {sorted(table_of_feature)}")
+    n_keys = len(keys)
+    if n_keys > 1 and len(set(keys)) != n_keys:
         raise InvalidArgument(f"feature keys {list(keys)} repeat a feature; give each feature once")
     if features.weights_or_none() is not None:
         raise InvalidArgument("weighted KeyedJaggedTensors are not supported by the lookup client; drop the weights")
@@ -63,27 +67,30 @@ def validate_features(
         raise InvalidArgument("variable-batch (per-key stride) KeyedJaggedTensors are not supported; use one batch size for every feature")
     values = _as_int64(features.values(), "features.values")
     lengths = _as_int64(features.lengths(), "features.lengths")
-    n_keys = len(keys)
     batch = lengths.shape[0] // n_keys if n_keys else 0
     if lengths.shape[0] != batch * n_keys:
         raise InvalidArgument(f"features.lengths has {lengths.shape[0]} entries, not a multiple of the {n_keys} features")
     if lengths.size and int(lengths.min()) < 0:
         bad = int(np.flatnonzero(lengths < 0)[0])
         raise InvalidArgument(f"features.lengths[{bad}] = {int(lengths[bad])} is negative")
-    per_key = lengths.reshape(n_keys, batch).sum(axis=1) if n_keys > 1 else np.array([lengths.sum()], dtype=np.int64)[:n_keys]
-    if int(per_key.sum()) != values.shape[0]:
-        raise InvalidArgument(f"features.lengths add up to {int(per_key.sum())} but features.values has {values.shape[0]} ids")
+    # Ids per feature (a handful of features; arrays inside). One key, the common case,
+    # needs no per-key split.
+    counts = [int(lengths.sum())] if n_keys == 1 else lengths.reshape(n_keys, batch).sum(axis=1).tolist()
+    if sum(counts) != values.shape[0]:
+        raise InvalidArgument(f"features.lengths add up to {sum(counts)} but features.values has {values.shape[0]} ids")
 
-    # Range checks and regrouping: one pass per feature (a handful), arrays inside.
+    # Range checks and regrouping: one pass per feature. Viewed as unsigned, a negative
+    # id is huge, so one max() checks both ends of [0, rows).
     by_table: dict[str, tuple[list[str], list[np.ndarray], list[np.ndarray]]] = {}
     start = 0
     for k, key in enumerate(keys):
-        table = table_of_feature[key]
-        end = start + int(per_key[k])
+        table = tables_of[k]
+        assert table is not None
+        end = start + counts[k]
         ids = values[start:end] if n_keys > 1 else values
         start = end
         rows = table_rows[table]
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= rows):
+        if ids.size and int(ids.view(np.uint64).max()) >= rows:
             bad = int(ids[(ids < 0) | (ids >= rows)][0])
             raise InvalidArgument(f"feature {key!r}: table {table!r} has {rows:,} rows; id {bad:,} is out of range [0, {rows:,})")
         names, id_parts, len_parts = by_table.setdefault(table, ([], [], []))

@@ -154,7 +154,11 @@ def test_delayed_shard_is_hedged_to_a_replica_within_deadline_and_budget(env: En
     hot = tier_ids(env.plan, "item", Tier.HOT)
     hot_on_slow = hot[(env.plan.router("item").hot_replicas_of(hot) == slow).any(axis=1)]
     warmup = kjts(env, 12, seed=15)
-    deadline_s = 0.25
+    # Timing robust on a loaded 2-core CI box: a generous deadline, and an injected delay
+    # far beyond it, so only a hedge can deliver the rows in time (the primary cannot
+    # answer before the caller's deadline however the machine is loaded).
+    deadline_s = 2.0
+    delay_ms = 30_000
     burst = 10.0
     cfg = make_config(hedge_burst=burst, lookup=LookupConfig(hedge_budget=0.05))
 
@@ -163,7 +167,7 @@ def test_delayed_shard_is_hedged_to_a_replica_within_deadline_and_budget(env: En
             await c.lookup(k, pooled=True, timeout_s=5)
         base_primary, base_hedge = c.stats.rpcs_primary, c.stats.rpcs_hedge
         before = rpcs(env)
-        env.cluster.set_fault(slow, delay_ms=1000, methods=["Lookup"])
+        env.cluster.set_fault(slow, delay_ms=delay_ms, methods=["Lookup"])
         try:
             out, took = [], []
             for i in range(20):
@@ -181,7 +185,7 @@ def test_delayed_shard_is_hedged_to_a_replica_within_deadline_and_budget(env: En
 
     client, (results, took, hedges, primaries) = with_client(env, body, cfg)
     assert all(not r.degraded for r in results)  # every hot row came from a replica in time
-    assert max(took) < deadline_s + 0.05
+    assert max(took) < deadline_s + 0.5  # resolved by its deadline (plus wake-up slack), long before the primary's delay
     assert hedges >= 1
     assert client.stats.rpcs_hedge <= 0.05 * client.stats.rpcs_primary + burst  # the budget: 5% of primaries + burst
     assert hedges < 20  # a stuck replica is ejected from hot routing, not hedged around on every window
@@ -251,3 +255,34 @@ def test_hot_upsert_visible_through_near_cache_within_bound(env: Env) -> None:
     assert torch.equal(seen["after_bound"][0], torch.from_numpy(new[0]))  # visible once the bound passed
     assert torch.equal(seen["own"][0], torch.from_numpy(new[1]))  # own upserts: immediately
     assert seen["hit_rate"] > 0
+
+
+def test_bench_lookup_runs_end_to_end_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``recserve bench lookup`` at toy scale: real shard processes, every non-Redis mode,
+    the open-loop run and the TorchRec check on batches the client actually served."""
+    import argparse
+    import json
+
+    from recserve.bench import lookup as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(
+        ["--items", "4000", "--dim", "16", "--shards", "2", "--concurrency", "8", "--ids-per-request", "16", "--bags", "4",
+         "--seconds", "0.3", "--open-loop-seconds", "0.3", "--rate", "100", "--stream-requests", "3000", "--prebuilt-kjts", "200",
+         "--check-requests", "50", "--no-redis", "--workdir", str(tmp_path), "--json"]
+    )  # fmt: skip
+    threads = torch.get_num_threads()
+    try:
+        assert bench.run(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(capsys.readouterr().out)
+    rows = report["rows_per_s"]
+    assert rows["feature_parallel"] > 0 and rows["naive"] > 0 and rows["torchrec_local"] > 0
+    assert rows["redis_mget"] is None and "no-redis" in report["redis_reason"]
+    assert report["speedup_vs_naive"] == pytest.approx(rows["feature_parallel"] / rows["naive"])
+    assert report["pooled_matches_torchrec"] is True and report["max_abs_err"] == 0.0 and report["checked_requests"] > 0
+    assert report["dedup_ratio"] > 1.0
+    assert report["open_loop_rate_per_s"] == 100 and report["p50_ms"] is not None and report["open_loop_failures"] == 0
+    assert set(report["profile_ms_per_window"]) == {"dedup_route", "serialisation", "rpc", "gather", "pooling"}

@@ -12,14 +12,9 @@ import dataclasses
 import math
 
 from recserve.config.spec import ShardServerConfig
-from recserve.errors import ConfigError
+from recserve.errors import require as _require
 
 TIER_DTYPES = ("plan", "float32", "float16", "int8")
-
-
-def _require(ok: bool, field: str, value: object, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field} = {value!r} is invalid: {fix}")
 
 
 @dataclasses.dataclass(frozen=True)

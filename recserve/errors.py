@@ -76,3 +76,10 @@ class PermissionDenied(RecserveError):
 
 class InternalError(RecserveError):
     kind = ErrorKind.INTERNAL
+
+
+def require(ok: bool, field: str, value: object, fix: str) -> None:
+    """The one config check: raise ConfigError "<field> = <value> is invalid: <fix>"
+    unless ``ok``. Every component config's ``__post_init__`` validates through it."""
+    if not ok:
+        raise ConfigError(f"{field} = {value!r} is invalid: {fix}")

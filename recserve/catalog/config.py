@@ -12,14 +12,13 @@ import dataclasses
 import math
 from typing import Any
 
-from recserve.errors import ConfigError
+from recserve.errors import ConfigError, require
 
 FORMAT_VERSION = 1
 
 
 def _require(ok: bool, field: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"catalog.{field} = {value!r} is invalid: {fix}")
+    require(ok, f"catalog.{field}", value, fix)
 
 
 def _is_int(value: Any) -> bool:

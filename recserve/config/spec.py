@@ -14,15 +14,11 @@ import math
 from typing import Any
 
 from recserve.errors import ConfigError
+from recserve.errors import require as _require
 
 DTYPES = ("float32", "float16", "int8")
 POOLINGS = ("sum", "mean")
 PRIORITIES = ("critical", "standard", "best_effort")
-
-
-def _require(ok: bool, field: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field} = {value!r} is invalid: {fix}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,13 +14,9 @@ from typing import Any
 
 from recserve.config.spec import ClusterConfig, FeatureConfig, LookupConfig, TableConfig
 from recserve.errors import ConfigError
+from recserve.errors import require as _require
 
 WIRE_DTYPES = ("float32", "float16", "int8")
-
-
-def _require(ok: bool, field: str, value: Any, fix: str) -> None:
-    if not ok:
-        raise ConfigError(f"{field} = {value!r} is invalid: {fix}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -36,6 +36,7 @@ from embedding_server.quant import RowDType, set_threads
 from embedding_server.service import INLINE_LOOKUP_IDS, EmbeddingShardService
 from embedding_server.shard import ShardCore
 from embedding_server.store import RowStore
+from recserve.errors import Unavailable
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
 
@@ -133,7 +134,11 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
         log.warning("shard %d: test fault hook ENABLED", config.shard_id)
     for name in ("", SERVICE_NAME):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError:  # grpc's "Failed to bind": a clear error, not a traceback
+        executor.shutdown(wait=False)
+        raise Unavailable(f"shard {config.shard_id}: cannot listen on {config.host}:{config.port} (port in use or address not local); pick another --port") from None
     await server.start()
     if config.port_file:
         _write_port_file(config.port_file, port)

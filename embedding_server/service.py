@@ -68,11 +68,23 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         self._executor_jobs = 0  # core calls submitted to the executor and not finished
 
     async def _on_executor(self, fn: Callable[..., T], *args: Any) -> T:
+        # A job counts until the executor is done with it, not until its RPC is: a
+        # cancelled RPC (client gone, deadline) stops awaiting a job that keeps running,
+        # and an inline lookup must not then run beside it.
+        loop = asyncio.get_running_loop()
+        job = self.executor.submit(fn, *args)
         self._executor_jobs += 1
+        job.add_done_callback(lambda _: self._job_done_threadsafe(loop))
+        return await asyncio.wrap_future(job)
+
+    def _job_done_threadsafe(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        finally:
-            self._executor_jobs -= 1
+            loop.call_soon_threadsafe(self._job_done)
+        except RuntimeError:  # the loop is closed: nothing can run inline any more
+            pass
+
+    def _job_done(self) -> None:
+        self._executor_jobs -= 1
 
     def set_ready(self, core: ShardCore) -> None:
         self.core = core

@@ -21,12 +21,22 @@ from pathlib import Path
 from typing import Any
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
+
+
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("demo", help="run the main job on the embedded default cluster spec")
     parser.add_argument("--config", type=Path, default=None, help="cluster spec TOML (default: the embedded spec)")
     parser.add_argument("--users", type=int, default=5_000, help="users in the demo catalog")
-    parser.add_argument("--callers", type=int, default=64, help="concurrent lookup callers (one user batch each)")
-    parser.add_argument("--users-per-caller", type=int, default=4, help="users (bags) per caller")
+    parser.add_argument("--callers", type=_positive, default=64, help="concurrent lookup callers (one user batch each)")
+    parser.add_argument("--users-per-caller", type=_positive, default=4, help="users (bags) per caller")
     parser.add_argument("--out", type=Path, default=None, help="keep the catalog here (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)

@@ -170,10 +170,14 @@ def _info(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from recserve.errors import Unavailable
     from recserve.v1 import embedding_pb2, embedding_pb2_grpc
 
     with grpc.insecure_channel(args.address) as channel:
-        reply = embedding_pb2_grpc.EmbeddingShardStub(channel).ShardInfo(embedding_pb2.ShardInfoRequest(), timeout=10)
+        try:
+            reply = embedding_pb2_grpc.EmbeddingShardStub(channel).ShardInfo(embedding_pb2.ShardInfoRequest(), timeout=10)
+        except grpc.RpcError as exc:  # unreachable / not a shard: one line, not a traceback
+            raise Unavailable(f"--address {args.address!r}: ShardInfo failed with {exc.code().name}: {exc.details()}") from None
     print(json_format.MessageToJson(reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True))
     return 0
 

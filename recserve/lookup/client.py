@@ -243,7 +243,10 @@ class LookupClient:
         these ids before sending and again after the acknowledgement, so no lookup
         issued after this returns is served the old row from the cache."""
         plan = self.runtime.plan
-        ids_arr = np.asarray(ids, dtype=np.int64)
+        raw = np.asarray(ids)
+        if raw.size and raw.dtype.kind not in "iu":  # a cast would silently write id 1 for 1.5
+            raise InvalidArgument(f"upsert of table {table!r}: ids have dtype {raw.dtype}; use integer ids (int64)")
+        ids_arr = raw.astype(np.int64, copy=False)
         cache = self.runtime.near_cache
         if cache is not None:
             cache.invalidate(table, ids_arr)

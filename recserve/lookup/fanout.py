@@ -50,6 +50,7 @@ class _Call:
     sent_at: float
     hedge_at: float
     is_hedge: bool
+    counted: bool = True  # its ids are in rt.inflight_ids
     hedged: bool = False
     finished: bool = False
 
@@ -72,6 +73,9 @@ class WindowRun:
         self.asm: dict[str, TableAssembly] = {}
         self.inflight: dict[str, np.ndarray] = {}  # table -> int16 [U] outstanding calls per row
         self.row_deadline: dict[str, np.ndarray] = {}  # table -> float [U] latest caller deadline
+        # The near cache this window's slots index: a plan refresh swaps in a new cache
+        # with other slots, so replies must fill the one the slots were taken from.
+        self.near_cache = rt.near_cache
         self.cache_slot: dict[str, np.ndarray] = {}
         self.cache_version: dict[str, np.ndarray] = {}
         self.occ_bags: dict[str, np.ndarray] | None = None
@@ -95,11 +99,11 @@ class WindowRun:
             np.maximum.at(latest, w.inverse, occ_deadline)
             self.row_deadline[table] = latest
             positions = np.arange(w.unique, dtype=np.int64)
-            if rt.near_cache is not None and not self.partial:
-                hit, rows, slot = rt.near_cache.get(table, w.unique_ids, now, np.bincount(w.inverse, minlength=w.unique))
+            if self.near_cache is not None and not self.partial:
+                hit, rows, slot = self.near_cache.get(table, w.unique_ids, now, np.bincount(w.inverse, minlength=w.unique))
                 asm.put_cached(positions[hit], rows)
                 self.cache_slot[table] = slot
-                self.cache_version[table] = rt.near_cache.versions(table, slot)
+                self.cache_version[table] = self.near_cache.versions(table, slot)
                 positions = positions[~hit]
             fetch[table] = positions
             rt.stats.ids_requested += w.occurrences
@@ -134,6 +138,11 @@ class WindowRun:
             deadline_unix_ms=max(unix_ms, 1) if unix_ms else 0,
         )
 
+    def _known(self, shard: int) -> bool:
+        """Whether ``shard`` is in the client's current fleet: a plan refresh may have
+        shrunk it while this window (on its older plan) still talks to a dropped shard."""
+        return shard < self.rt.inflight_ids.shape[0]
+
     def _send(self, shard: int, units: list[FetchUnit], *, is_hedge: bool) -> None:
         rt = self.rt
         now = rt.clock()
@@ -152,15 +161,18 @@ class WindowRun:
         n_ids = sum(len(u) for u in units)
         for u in units:
             self.inflight[u.table][u.positions] += 1
-        rt.inflight_ids[shard] += n_ids
+        known = self._known(shard)
+        if known:
+            rt.inflight_ids[shard] += n_ids
         if is_hedge:
             rt.stats.rpcs_hedge += 1
         else:
             rt.stats.rpcs_primary += 1
             rt.budget.on_primary()
         replicated = any(u.alternatives.shape[1] > 0 and bool((u.alternatives[:, 0] >= 0).any()) for u in units)
-        hedge_at = now + rt.tracker.hedge_delay(shard) if replicated else math.inf
-        call = _Call(shard, units, n_ids, now, hedge_at, is_hedge)
+        delay = rt.tracker.hedge_delay(shard) if known else rt.tracker.default_delay_s
+        hedge_at = now + delay if replicated else math.inf
+        call = _Call(shard, units, n_ids, now, hedge_at, is_hedge, counted=known)
         task = asyncio.ensure_future(rt.transport.lookup(shard, request, timeout))
         self.calls[task] = call
         self.first_send = min(self.first_send, now)
@@ -171,8 +183,9 @@ class WindowRun:
         call.finished = True
         for u in call.units:
             self.inflight[u.table][u.positions] -= 1
-        if call.shard < self.rt.inflight_ids.shape[0]:  # a plan refresh may have shrunk the fleet
-            self.rt.inflight_ids[call.shard] -= call.n_ids
+        if self._known(call.shard):
+            if call.counted:
+                self.rt.inflight_ids[call.shard] -= call.n_ids
             if latency_s is not None:
                 self.rt.tracker.record(call.shard, latency_s, self.rt.clock())
 
@@ -193,7 +206,7 @@ class WindowRun:
             pos = u.positions[open_rows]
             if pos.size == 0:
                 continue
-            ok = (alts >= 0) & np.take(live, np.maximum(alts, 0))
+            ok = (alts >= 0) & (alts < live.shape[0]) & np.take(live, np.clip(alts, 0, live.shape[0] - 1))
             has, chosen, rest = first_live(alts, ok)
             for s in np.unique(chosen[has]).tolist():
                 m = has & (chosen == s)
@@ -216,7 +229,8 @@ class WindowRun:
             self._finish_call(call, latency_s=None)
             rt.stats.rpc_errors += 1
             if is_retryable(e.code):
-                rt.breakers.on_failure(call.shard, now)
+                if self._known(call.shard):
+                    rt.breakers.on_failure(call.shard, now)
                 self._hedge(call, f"error {e.code.name}")
             else:
                 log.warning("shard %d answered %s (not retried): %s", call.shard, e.code.name, e.details)
@@ -226,9 +240,10 @@ class WindowRun:
             rt.stats.rpc_errors += 1
             log.error("shard %d lookup failed: %r", call.shard, e)
             return
-        rt.breakers.on_success(call.shard)
-        if now < call.hedge_at and call.shard < rt.inflight_ids.shape[0]:
-            rt.tracker.on_time(call.shard)
+        if self._known(call.shard):
+            rt.breakers.on_success(call.shard)
+            if now < call.hedge_at:
+                rt.tracker.on_time(call.shard)
         self.last_reply = max(self.last_reply, now)
         t0 = time.perf_counter()
         try:
@@ -254,12 +269,12 @@ class WindowRun:
             else:
                 assert r.rows is not None
                 asm.put_rows(u.positions, r.rows, u.col_start, u.col_end, r.found, r.not_owned)
-                if u.full_row and u.table in self.cache_slot and rt.near_cache is not None:
+                if u.full_row and u.table in self.cache_slot and self.near_cache is not None:
                     slot = self.cache_slot[u.table][u.positions]
                     keep = (slot >= 0) & r.found & ~r.not_owned
                     if keep.any():
                         ver = self.cache_version[u.table][u.positions]
-                        rt.near_cache.fill(u.table, slot[keep], ver[keep], r.rows[keep], now)
+                        self.near_cache.fill(u.table, slot[keep], ver[keep], r.rows[keep], now)
         rt.stats.scatter_s += time.perf_counter() - t1
         self._finish_call(call, latency_s=now - call.sent_at)
         if response.plan_version > self.plan.version:
@@ -353,7 +368,8 @@ class WindowRun:
             now = rt.clock()
             for t, c in list(self.calls.items()):
                 if not c.finished and not c.hedged and c.hedge_at <= now:
-                    rt.tracker.on_late(c.shard, now)
+                    if self._known(c.shard):
+                        rt.tracker.on_late(c.shard, now)
                     self._hedge(c, "late")
 
     def _cancel_outstanding(self) -> None:

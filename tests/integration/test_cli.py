@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -51,3 +53,27 @@ def test_demo_runs_catalog_and_lookups_end_to_end() -> None:
     assert "degraded    0 callers" in out.stdout
     ratio = float(out.stdout.split("dedup ratio ")[1].split()[0])
     assert ratio > 1.0
+
+
+def test_shard_info_on_an_unreachable_address_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from recserve.cli.main import main
+
+    with socket.socket() as s:  # a port nobody listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(["shard", "info", "--address", f"127.0.0.1:{port}"]) == 2
+    err = capsys.readouterr().err
+    assert f"--address '127.0.0.1:{port}'" in err and "UNAVAILABLE" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag", ["--callers", "--users-per-caller"])
+def test_demo_refuses_a_non_positive_count_before_doing_any_work(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from recserve.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error, before any catalog is built
+        main(["demo", flag, "0"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: '0' is not a positive integer" in capsys.readouterr().err

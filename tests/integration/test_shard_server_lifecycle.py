@@ -95,3 +95,18 @@ def test_bulk_load_rerun_is_idempotent(shard_world: ShardWorld, tmp_path: Path) 
                 assert present.all() and np.array_equal(rows[keep], shard_world.sources[name][ids[keep]][:, cs:ce])
     finally:
         store.close()
+
+
+def test_a_taken_port_is_a_clear_error(shard_world: ShardWorld, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "recserve", "shard", "serve", "--plan", str(shard_world.plan_path), "--shard-id", "0", "--data", str(tmp_path / "d"), "--port", str(port)],
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr and "Traceback" not in out.stderr

@@ -340,3 +340,77 @@ def test_big_windows_prepare_and_resolve_on_the_executor() -> None:
     for b, res in zip(batches, results):
         assert res.pooled is not None
         assert torch.equal(res.pooled["item_id"], torch.from_numpy(weights["item"][b].sum(axis=0, keepdims=True)))
+
+
+def test_a_window_in_flight_across_a_plan_refresh_fills_only_its_own_near_cache() -> None:
+    # A plan refresh builds a new near cache with other slots; a window sent before it
+    # must not store its replies by its old slot numbers into the new cache (that would
+    # serve one id's row for another).
+    plan, _ = make_plan()
+    v2, _ = make_plan(seed=5, version=2)
+    weights = make_weights()
+    fake = FakeShards(plan, weights)
+    cfg = make_config(lookup=LookupConfig(near_cache_rows=1000, near_cache_staleness_ms=60_000))
+    client = LookupClient(cfg, plan, fake)
+    hot1, hot2 = tier_ids(plan, "item", Tier.HOT), tier_ids(v2, "item", Tier.HOT)
+    assert not np.array_equal(hot1, hot2)  # the two caches differ slot by slot
+
+    async def body() -> tuple[LookupResult, LookupResult]:
+        for s in range(plan.num_shards):
+            fake.set_blocked(s)
+        first = asyncio.ensure_future(client.lookup(item_kjt(hot1), pooled=False, timeout_s=5.0))
+        while fake.rpcs() == 0:  # until the first window has sent its RPCs
+            await asyncio.sleep(0)
+        fake.set_plan(v2)
+        assert await client.refresh_plan(0)
+        fake.set_plan(plan)  # the in-flight RPCs are answered under the plan they were sent on
+        for s in range(plan.num_shards):
+            fake.release(s)
+        old = await first
+        fake.set_plan(v2)
+        return old, await client.lookup(item_kjt(hot2), pooled=False, timeout_s=5.0)
+
+    old, new = run(client, body)
+    assert torch.equal(old.rows["item_id"], torch.from_numpy(weights["item"][hot1]))
+    assert torch.equal(new.rows["item_id"], torch.from_numpy(weights["item"][hot2]))
+
+
+def test_a_window_in_flight_when_the_fleet_shrinks_still_resolves_its_callers() -> None:
+    # Scale-down: a refresh switches to a plan with fewer shards while a window still
+    # waits on a shard the new plan no longer has; its reply must still be taken.
+    plan, _ = make_plan(num_shards=4)
+    smaller, _ = make_plan(num_shards=3, version=2)
+    weights = make_weights()
+    fake = FakeShards(plan, weights)
+    client = LookupClient(make_config(), plan, fake)
+    cold = tier_ids(plan, "item", Tier.COLD)
+    on_last = cold[plan.router("item").cold_owners_of(cold)[:, 0] == 3][:5]
+    assert on_last.size == 5
+
+    async def body() -> LookupResult:
+        fake.set_blocked(3)
+        first = asyncio.ensure_future(client.lookup(item_kjt(on_last), pooled=False, timeout_s=5.0))
+        while fake.rpcs(3) == 0:  # until the window waits on shard 3
+            await asyncio.sleep(0)
+        fake.set_plan(smaller)
+        assert await client.refresh_plan(0)
+        fake.set_plan(plan)  # shard 3 answers under the plan the window was sent on
+        fake.release(3)
+        return await first
+
+    result = run(client, body)
+    assert not result.degraded
+    assert torch.equal(result.rows["item_id"], torch.from_numpy(weights["item"][on_last]))
+
+
+def test_upsert_with_non_integer_ids_is_refused_not_truncated() -> None:
+    plan, _ = make_plan()
+    fake = FakeShards(plan, make_weights())
+    client = LookupClient(make_config(), plan, fake)
+
+    async def body() -> None:
+        await client.upsert("item", [1.5], np.ones((1, 16), np.float32))
+
+    with pytest.raises(InvalidArgument, match="dtype float64"):
+        run(client, body)
+    assert fake.upserts == []  # nothing written (a cast would have written id 1)

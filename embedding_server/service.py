@@ -53,8 +53,9 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
     ) -> None:
         """``inline_ids``: lookups of at most this many ids run on the event loop while
         no executor job is in flight (0: always use the executor). Set it only for a
-        one-thread executor: the core is not thread-safe, and running inline only while
-        the executor is idle keeps every core call serialised."""
+        one-thread executor: running inline only while the executor is idle keeps core
+        calls serialised, so an inline lookup never waits on a table lock held by an
+        executor job (which would block the event loop)."""
         self.shard_id = shard_id
         self.plan_version = plan_version
         self.plan_json = plan_json

@@ -25,7 +25,7 @@ def split_upsert(plan: ShardingPlan, table: str, ids: Any, rows: Any) -> dict[in
     Returns shard id -> parts; full rows (hot, cold, and warm when the table has one
     column slice) come as ``col_start, col_end = 0, dim`` in one part per shard, each
     warm slice k as its ``col_bounds()[k]`` range. Within a part ids keep their input
-    order, so with repeated ids the last one wins on a server applying in order.
+    order (shard servers reject repeated ids in one upsert with INVALID_ARGUMENT).
     Example: dim 8, C = 2, warm id 5 -> {a: [([5], rows[:, 0:4], 0, 4)], b: [([5], rows[:, 4:8], 4, 8)]}.
     """
     t = plan.table(table)

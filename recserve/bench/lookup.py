@@ -6,7 +6,9 @@ binary exists, and drives every mode of :mod:`recserve.bench.lookup_modes` with 
 Zipf request stream at the same concurrency, side by side in one run. Then a separate
 open-loop run (Poisson arrivals at a stated rate) measures the client's latency, and
 the pooled outputs of requests the client actually served are checked against an
-in-process TorchRec ``EmbeddingBagCollection`` on the same weights.
+in-process TorchRec ``EmbeddingBagCollection`` on the same weights. With
+``--sweep-rates`` the open-loop run is repeated for the client and naive at each offered
+rate (JSON key ``sweep``, see :mod:`recserve.bench.sweep`); ``--plot PATH`` draws it.
 
 Example::
 
@@ -29,7 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from recserve.bench.sweep import format_sweep, parse_rates, plot_sweep
+
 MODES = ("feature_parallel", "naive", "redis_mget", "redis_mget_dedup", "torchrec_local")
+SWEEP_MODES = (("feature_parallel", "feature-parallel"), ("naive", "naive"))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -56,11 +61,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="keep shard data here (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--sweep-rates", type=parse_rates, default=None, metavar="R1,R2,...", help="after the run, open-loop sweep of feature_parallel and naive at these offered requests/s (default: no sweep)")
+    p.add_argument("--sweep-seconds", type=float, default=1.5, help="arrival period of each sweep point and mode (default 1.5 s)")
+    p.add_argument("--sweep-timeout-ms", type=float, default=1000.0, help="sweep: each request's deadline after its scheduled arrival; later = failed (client: degraded) (default 1000 ms)")
+    p.add_argument("--slo-ms", type=float, default=50.0, help="latency SLO of the sweep's goodput (default 50 ms)")
+    p.add_argument("--plot", default=None, metavar="PATH", help="with --sweep-rates: write a PNG of p99 and goodput vs offered rate")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    if args.plot is not None and args.sweep_rates is None:
+        raise SystemExit("--plot needs --sweep-rates")
+    for flag, value in (("--sweep-seconds", args.sweep_seconds), ("--sweep-timeout-ms", args.sweep_timeout_ms), ("--slo-ms", args.slo_ms)):
+        if not value > 0:
+            raise SystemExit(f"{flag} = {value!r} is invalid: use a positive number")
     torch.set_num_threads(1)  # the shards share the 2 cores; one torch thread here
     own_dir = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="recserve-bench-lookup-")) if own_dir else Path(args.workdir)
@@ -70,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)
+    if args.plot is not None:
+        c = report["config"]
+        title = f"recserve bench lookup: {c['items']:,} x {c['dim']} rows, {c['shards']} shards, {c['ids_per_request']} ids/request, Zipf {c['zipf']}"
+        plot_sweep(args.plot, report["sweep"], SWEEP_MODES, title=title, slo_ms=args.slo_ms)
+        _log(f"sweep plot written to {args.plot}")
     if args.json:
         print(json.dumps(report))
     else:
@@ -126,6 +146,8 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "hot_rows": int(plan.table("item").hot_ids.size), "warm_rows": int(plan.table("item").warm_ids.size),
         "column_splits": plan.table("item").column_splits,
     }  # fmt: skip
+    if args.sweep_rates is not None:
+        report["config"].update(sweep_seconds=args.sweep_seconds, sweep_timeout_ms=args.sweep_timeout_ms, slo_ms=args.slo_ms)
     return report
 
 
@@ -223,6 +245,15 @@ async def _network_modes(args: argparse.Namespace, workdir: Path, plan: Any, tab
         report["p99_ms"] = percentile_ms(latencies, 99)
         report["open_loop_requests"] = int(latencies.size)
         report["open_loop_failures"] = failures
+        if args.sweep_rates is not None:
+            from recserve.bench.lookup_modes import client_vs_naive_sweep
+
+            rates = ", ".join(f"{r:g}" for r in args.sweep_rates)
+            _log(f"open-loop sweep at {rates} requests/s, {args.sweep_seconds:g} s per point and mode")
+            report["sweep"] = await client_vs_naive_sweep(
+                client, kjts, plan, stream, cluster.addresses, args.sweep_rates,
+                seconds=args.sweep_seconds, timeout_s=args.sweep_timeout_ms / 1000.0, slo_ms=args.slo_ms, seed=args.seed + 2,
+            )  # fmt: skip
         report["reference"] = await _reference(client, weights)
     finally:
         await client.aclose()
@@ -359,4 +390,6 @@ def format_report(r: dict[str, Any]) -> str:
         f"shard Lookup handler time (median over shards): p50 {cl['server_p50_ms']:.2f} ms  p99 {cl['server_p99_ms']:.2f} ms",
         f"reference (this run): gRPC unary RTT {r['reference']['grpc_unary_rtt_ms']:.3f} ms, np.take {r['reference']['np_take_rows_per_s']:,.0f} rows/s",
     ]
+    if r.get("sweep"):
+        lines += ["", format_sweep(r["sweep"], SWEEP_MODES, slo_ms=c["slo_ms"])]
     return "\n".join(lines)

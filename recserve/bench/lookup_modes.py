@@ -13,17 +13,19 @@ B bags): the pooled ``[B, D]`` sums of those rows. Modes:
 * ``torchrec_local`` — TorchRec ``EmbeddingBagCollection`` in process: the no-network limit.
 
 Closed-loop drivers keep ``concurrency`` requests in flight; :func:`open_loop` issues
-Poisson arrivals at a fixed rate that does not slow down when the system stalls.
+Poisson arrivals at a fixed rate that does not slow down when the system stalls;
+:func:`rate_sweep` repeats it per offered rate and mode (``--sweep-rates``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -77,34 +79,121 @@ async def closed_loop(concurrency: int, seconds: float, total: int, handle: Call
     return ModeResult(sum(counts), time.perf_counter() - t0)
 
 
-async def open_loop(rate_per_s: float, seconds: float, total: int, handle: Callable[[int], Awaitable[None]], seed: int = 0) -> tuple[np.ndarray, int]:
-    """Poisson arrivals at ``rate_per_s`` for ``seconds``: request i starts at its
-    scheduled time whether or not earlier ones finished. Returns (latencies in seconds,
-    measured from the *scheduled* arrival, for completed requests; failures)."""
+@dataclasses.dataclass
+class OpenLoopRun:
+    """One open-loop run. ``latencies_s``: float [A], scheduled arrival to answer, for
+    the A answered requests; ``good``: bool [A], False where the handler reported a
+    degraded answer; ``requests``: arrivals scheduled; ``failures``: arrivals whose
+    handler raised or ran out of time, or that were shed because the generator reached
+    them after their deadline; ``span_s``: the arrival period, or until the last answer
+    if later."""
+
+    latencies_s: np.ndarray
+    good: np.ndarray
+    requests: int
+    failures: int
+    span_s: float
+
+
+#: A sweep handler: ``handle(i, deadline)`` serves request i by ``deadline`` (monotonic
+#: s); returns False for a degraded answer (None or True: a full one), raises for none.
+TimedHandler = Callable[[int, float], Awaitable["bool | None"]]
+
+
+async def open_loop_run(rate_per_s: float, seconds: float, total: int, handle: TimedHandler, seed: int = 0, timeout_s: float = math.inf) -> OpenLoopRun:
+    """Poisson arrivals at ``rate_per_s`` for ``seconds``: request i (``handle(i,
+    deadline)``, i = 0, 1, ...) starts at its scheduled time whether or not earlier ones
+    finished. Its deadline is the scheduled arrival + ``timeout_s``; an arrival the
+    generator reaches only after its deadline (the event loop is saturated) is shed and
+    counted failed, so an overloaded run still ends about ``timeout_s`` after its
+    arrivals. Same ``seed`` = same arrival times and requests."""
     rng = np.random.default_rng(seed)
     n = min(total, max(1, int(rate_per_s * seconds * 1.2) + 10))
     arrivals = np.cumsum(rng.exponential(1.0 / rate_per_s, size=n))
     arrivals = arrivals[arrivals < seconds]
     latencies = np.full(arrivals.size, np.nan)
+    good = np.ones(arrivals.size, dtype=bool)
     failures = 0
+    last = 0.0
     t0 = time.monotonic()
 
-    async def one(i: int) -> None:
-        nonlocal failures
+    async def one(i: int, deadline: float) -> None:
+        nonlocal failures, last
         try:
-            await handle(i)
-            latencies[i] = time.monotonic() - (t0 + arrivals[i])
+            full = await handle(i, deadline)
         except Exception:  # counted, reported; the run goes on
             failures += 1
+            return
+        now = time.monotonic()
+        latencies[i] = now - (t0 + arrivals[i])
+        good[i] = full is not False
+        last = max(last, now - t0)
 
     tasks = []
     for i, at in enumerate(arrivals.tolist()):
         delay = t0 + at - time.monotonic()
         if delay > 0:
             await asyncio.sleep(delay)  # the arrival schedule itself, not synchronisation
-        tasks.append(asyncio.ensure_future(one(i)))
+        deadline = t0 + at + timeout_s
+        if time.monotonic() >= deadline:
+            failures += 1  # shed: starting it could not answer it in time
+            continue
+        tasks.append(asyncio.ensure_future(one(i, deadline)))
     await asyncio.gather(*tasks)
-    return latencies[~np.isnan(latencies)], failures
+    answered = ~np.isnan(latencies)
+    return OpenLoopRun(latencies[answered], good[answered], int(arrivals.size), failures, max(seconds, last))
+
+
+async def open_loop(rate_per_s: float, seconds: float, total: int, handle: Callable[[int], Awaitable[None]], seed: int = 0) -> tuple[np.ndarray, int]:
+    """:func:`open_loop_run` without deadlines, reduced to (latencies in seconds of
+    completed requests, measured from the *scheduled* arrival; failures)."""
+
+    async def untimed(i: int, deadline: float) -> None:
+        await handle(i)
+
+    run = await open_loop_run(rate_per_s, seconds, total, untimed, seed)
+    return run.latencies_s, run.failures
+
+
+async def rate_sweep(rates: Sequence[float], seconds: float, total: int, handlers: dict[str, TimedHandler], *, timeout_s: float, slo_ms: float, seed: int) -> list[dict[str, Any]]:
+    """Every handler at every offered rate, in rate order; at one rate all handlers get
+    the same arrival times and the same requests, each with ``timeout_s`` from its
+    scheduled arrival. Returns the sweep list of :mod:`recserve.bench.sweep` (one dict
+    per rate, one point per handler)."""
+    from recserve.bench.sweep import summarise
+
+    out: list[dict[str, Any]] = []
+    for j, rate in enumerate(rates):
+        point: dict[str, Any] = {"offered_per_s": float(rate)}
+        for mode, handle in handlers.items():
+            gc.collect()  # no garbage of the previous run is collected inside this one
+            run = await open_loop_run(rate, seconds, total, handle, seed=seed + j, timeout_s=timeout_s)
+            point[mode] = summarise(run.latencies_s, run.good, requests=run.requests, failures=run.failures, arrival_s=seconds, span_s=run.span_s, slo_ms=slo_ms)
+        out.append(point)
+    return out
+
+
+async def client_vs_naive_sweep(client: Any, kjts: list[Any], plan: Any, stream: Stream, addresses: Sequence[str], rates: Sequence[float], *, seconds: float, timeout_s: float, slo_ms: float, seed: int) -> list[dict[str, Any]]:
+    """:func:`rate_sweep` of the lookup client (``feature_parallel``; request i is
+    ``kjts[i]`` when prebuilt) and ``naive`` (its own channels to ``addresses``). Each
+    request must be answered ``timeout_s`` after its scheduled arrival: the client then
+    answers degraded (default rows), naive is cancelled and fails."""
+    from recserve.lookup.transport import GrpcShardTransport
+
+    async def fp(i: int, deadline: float) -> bool:
+        kjt = kjts[i] if i < len(kjts) else make_kjt(stream.ids[i], stream.lengths, stream.feature)
+        return not (await client.lookup(kjt, pooled=True, deadline=deadline)).degraded
+
+    transport = GrpcShardTransport(list(addresses))
+    naive_untimed = naive_handler(transport, plan, stream, plan.table(stream.table).dim, timeout_s=timeout_s)
+
+    async def naive(i: int, deadline: float) -> None:
+        await asyncio.wait_for(naive_untimed(i), deadline - time.monotonic())
+
+    try:
+        return await rate_sweep(rates, seconds, stream.ids.shape[0], {"feature_parallel": fp, "naive": naive}, timeout_s=timeout_s, slo_ms=slo_ms, seed=seed)
+    finally:
+        await transport.close()
 
 
 def pool_rows(rows: np.ndarray, stream: Stream) -> np.ndarray:
@@ -119,10 +208,10 @@ def pool_rows(rows: np.ndarray, stream: Stream) -> np.ndarray:
 # ---- naive: one RPC per request per shard ---------------------------------------------------
 
 
-def naive_handler(transport: Any, plan: Any, stream: Stream, dim: int) -> Callable[[int], Awaitable[None]]:
+def naive_handler(transport: Any, plan: Any, stream: Stream, dim: int, timeout_s: float = 5.0) -> Callable[[int], Awaitable[None]]:
     """Per request: dedup within the request only, route with the client's router
-    (hot replicas rotated per request), one RPC per destination shard in parallel,
-    decode, pool. Same pure parts as the client, no window."""
+    (hot replicas rotated per request), one RPC per destination shard in parallel
+    (each with ``timeout_s``), decode, pool. Same pure parts as the client, no window."""
     from recserve.lookup.reassemble import TableAssembly
     from recserve.lookup.route import ShardState, route_window
     from recserve.lookup.wire import build_request, parse_response
@@ -144,7 +233,7 @@ def naive_handler(transport: Any, plan: Any, stream: Stream, dim: int) -> Callab
         by_shard = routed.by_shard()
         shards = list(by_shard)
         requests = [build_request(by_shard[s], windows, row_dtype="float32", header=header, plan_version=plan.version) for s in shards]
-        replies = await asyncio.gather(*(transport.lookup(s, r, 5.0) for s, r in zip(shards, requests)))
+        replies = await asyncio.gather(*(transport.lookup(s, r, timeout_s) for s, r in zip(shards, requests)))
         asm = TableAssembly(w, dim, np.ones(w.unique, np.int16))
         for s, reply in zip(shards, replies):
             for u, r in zip(by_shard[s], parse_response(reply, by_shard[s], {stream.table: dim}, row_dtype="float32", pooled=False)):

@@ -18,6 +18,11 @@ Measured in one run, side by side:
   thread, like a thread waiting on an RPC). Unbatched = max batch 1 item; batched = a
   1 ms FeatureParallelPolicy window. Same ``--max-inflight`` for both.
 
+With ``--sweep-rates R1,R2,...`` both contenders then run at each offered rate
+(``--sweep-seconds`` of arrivals each, same arrivals and items for both at one rate; the
+deadline is the SLO) and the JSON gains ``sweep`` (see :mod:`recserve.bench.sweep`);
+``--plot PATH`` writes p99 latency and goodput vs offered rate as a PNG.
+
 Prints a table, or one JSON object with ``--json``.
 """
 
@@ -32,8 +37,11 @@ import math
 import time
 from typing import Any
 
+from recserve.bench.sweep import format_sweep, parse_rates, plot_sweep
+
 _PING = "/recserve.bench.Echo/Ping"
 _CORE_REPEATS = 20
+SWEEP_MODES = (("batched", "batched"), ("unbatched", "unbatched (batch 1)"))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,18 +57,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--loop-items", type=int, default=40_000, help="items for loop_us_per_item (default 40k)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--sweep-rates", type=parse_rates, default=None, metavar="R1,R2,...",
+                        help="then run both contenders at each of these offered items/s (default: no sweep)")
+    parser.add_argument("--sweep-seconds", type=float, default=1.5, help="arrival period per sweep point and contender (default 1.5 s)")
+    parser.add_argument("--plot", default=None, metavar="PATH", help="with --sweep-rates: write a PNG of p99 and goodput vs offered rate")
 
 
 def run(args: argparse.Namespace) -> int:
     for flag, value in (("--rate", args.rate), ("--duration-s", args.duration_s), ("--deadline-ms", args.deadline_ms),
                         ("--max-inflight", args.max_inflight), ("--rows-per-item", args.rows_per_item),
                         ("--table-rows", args.table_rows), ("--dim", args.dim), ("--core-items", args.core_items),
-                        ("--loop-items", args.loop_items)):
+                        ("--loop-items", args.loop_items), ("--sweep-seconds", args.sweep_seconds)):
         if not value > 0:
             raise SystemExit(f"{flag} = {value!r} is invalid: use a positive number")
     if not 0 <= args.window_ms <= 100:
         raise SystemExit(f"--window-ms = {args.window_ms!r} is invalid: use 0..100 ms")
+    if args.plot is not None and args.sweep_rates is None:
+        raise SystemExit("--plot needs --sweep-rates")
     result = asyncio.run(_bench(args))
+    if args.plot is not None:
+        title = (f"recserve bench scheduler: {args.rows_per_item} rows/item, {args.window_ms:g} ms window, "
+                 f"max_inflight {args.max_inflight}, RPC {result['grpc_loopback_rtt_ms']:.2f} ms/batch")
+        plot_sweep(args.plot, result["sweep"], SWEEP_MODES, title=title, slo_ms=args.deadline_ms, unit="items")
     if args.json:
         print(json.dumps(_json_safe(result), sort_keys=True, allow_nan=False))
     else:
@@ -282,6 +300,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     unbatched = await open_loop(args, batched=False, table=table, ids=ids, offsets=offsets, rtt_s=rtt_s)
     gc.collect()
     batched = await open_loop(args, batched=True, table=table, ids=ids, offsets=offsets, rtt_s=rtt_s)
+    sweep = None if args.sweep_rates is None else await rate_sweep(args, table=table, rtt_s=rtt_s)
     return {
         "core_us_per_item": core_us,
         "core_us_per_item_dynamic_slo": core_us_dynamic,
@@ -302,7 +321,35 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
         "gather_rows_per_s": gather_rows_per_s,
         "batched": batched,
         "unbatched": unbatched,
+        **({} if sweep is None else {"sweep": sweep, "sweep_seconds": args.sweep_seconds}),
     }
+
+
+async def rate_sweep(args: argparse.Namespace, *, table: Any, rtt_s: float) -> list[dict[str, Any]]:
+    """Both contenders at each ``--sweep-rates`` rate, same Poisson arrivals and items
+    for both at one rate; one dict per rate in the shape of :mod:`recserve.bench.sweep`
+    (the deadline is the SLO: a late item is dropped, so failures include drops)."""
+    import numpy as np
+
+    rng = np.random.default_rng(args.seed + 1)  # its own stream: the main run's is untouched
+    out: list[dict[str, Any]] = []
+    for rate in args.sweep_rates:
+        n = max(1, int(rate * args.sweep_seconds))
+        offsets = np.cumsum(rng.exponential(1.0 / rate, size=n))
+        ids = rng.integers(0, args.table_rows, size=(n, args.rows_per_item))
+        point: dict[str, Any] = {"offered_per_s": float(rate)}
+        for name, batched in (("unbatched", False), ("batched", True)):
+            gc.collect()
+            c = await open_loop(args, batched=batched, table=table, ids=ids, offsets=offsets, rtt_s=rtt_s)
+            point[name] = {
+                "requests": c["offered"], "completed": c["completed"], "arrived_per_s": c["offered"] / float(offsets[-1]),
+                "achieved_per_s": c["items_per_s"], "goodput_per_s": c["goodput_per_s"],
+                "p50_ms": None if math.isnan(c["p50_ms"]) else c["p50_ms"], "p99_ms": None if math.isnan(c["p99_ms"]) else c["p99_ms"],
+                "failures": c["dropped_deadline"] + c["late_at_submit"] + c["rejected"] + c["failed"],
+                "mean_batch_items": c["mean_batch_items"],
+            }
+        out.append(point)
+    return out
 
 
 def _print_table(r: dict[str, Any]) -> None:
@@ -324,6 +371,9 @@ def _print_table(r: dict[str, Any]) -> None:
               f"{c['arrival_lag_p99_ms']:>10.2f} ms")
     print(f"  batched / unbatched items/s: {r['batched_over_unbatched']:.2f}x   "
           "(items/s: completed; in SLO/s: completed within the deadline; dropped: deadline passed before running)")
+    if "sweep" in r:
+        print()
+        print(format_sweep(r["sweep"], SWEEP_MODES, slo_ms=r["deadline_ms"], unit="items"))
 
 
 def main() -> int:

@@ -152,7 +152,8 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 
 async def _network_modes(args: argparse.Namespace, workdir: Path, plan: Any, table: Any, feature: Any, weights: np.ndarray, stream: Any, cluster: Any) -> dict[str, Any]:
-    from recserve.bench.lookup_modes import closed_loop, make_kjt, naive_handler, open_loop, percentile_ms
+    from recserve.bench.lookup_modes import closed_loop, make_kjt, naive_handler, open_loop
+    from recserve.bench.sweep import percentile_ms
     from recserve.config.spec import LookupConfig
     from recserve.lookup.client import LookupClient
     from recserve.lookup.config import LookupClientConfig

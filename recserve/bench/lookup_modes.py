@@ -333,10 +333,6 @@ def make_kjt(values: np.ndarray, lengths: np.ndarray, feature: str) -> Any:
     return KeyedJaggedTensor(keys=[feature], values=torch.from_numpy(np.ascontiguousarray(values)), lengths=torch.from_numpy(lengths))
 
 
-def percentile_ms(latencies_s: np.ndarray, q: float) -> float | None:
-    return float(np.percentile(latencies_s, q) * 1000.0) if latencies_s.size else None
-
-
 def safe_ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0 or math.isnan(b):
         return None

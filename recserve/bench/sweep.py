@@ -46,6 +46,11 @@ def parse_rates(text: str) -> tuple[float, ...]:
     return tuple(sorted(rates))
 
 
+def percentile_ms(latencies_s: np.ndarray, q: float) -> float | None:
+    """The ``q``-th percentile of latencies given in seconds, in ms (None when empty)."""
+    return float(np.percentile(latencies_s, q) * 1000.0) if latencies_s.size else None
+
+
 def summarise(latencies_s: np.ndarray, good: np.ndarray, *, requests: int, failures: int, arrival_s: float, span_s: float, slo_ms: float) -> dict[str, Any]:
     """One point from one open-loop run.
 
@@ -61,8 +66,8 @@ def summarise(latencies_s: np.ndarray, good: np.ndarray, *, requests: int, failu
         "completed": int(lat.size),
         "arrived_per_s": requests / arrival_s if arrival_s > 0 else 0.0,
         "achieved_per_s": lat.size / span_s if span_s > 0 else 0.0,
-        "p50_ms": float(np.percentile(lat, 50) * 1000.0) if lat.size else None,
-        "p99_ms": float(np.percentile(lat, 99) * 1000.0) if lat.size else None,
+        "p50_ms": percentile_ms(lat, 50),
+        "p99_ms": percentile_ms(lat, 99),
         "goodput_per_s": int(in_slo.sum()) / span_s if span_s > 0 else 0.0,
         "degraded": int(lat.size - int(np.count_nonzero(good))),
         "failures": int(failures),

@@ -29,8 +29,8 @@ from typing import Any
 
 import grpc
 
-from recserve.errors import InvalidArgument, RecserveError
-from recserve.rpc.status import KIND_OF_CODE
+from recserve.errors import InvalidArgument
+from recserve.rpc.status import error_from_code
 
 ENV_FLAG = "RECSERVE_FAULT_HOOK"
 METADATA_KEY = "x-recserve-fault"
@@ -121,9 +121,7 @@ class FaultInjector:
         if fault.delay_ms > 0:
             await asyncio.sleep(fault.delay_ms / 1000.0)
         if fault.code:
-            error = RecserveError(f"injected fault on {method}: {fault.code}")
-            error.kind = KIND_OF_CODE[grpc.StatusCode[fault.code]]
-            raise error
+            raise error_from_code(grpc.StatusCode[fault.code], f"injected fault on {method}: {fault.code}")
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The admin RPC ``/recserve.test.ShardFault/Set`` (JSON in, JSON out)."""

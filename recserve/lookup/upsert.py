@@ -14,20 +14,13 @@ import asyncio
 
 import numpy as np
 
-from recserve.errors import ErrorKind, InternalError, RecserveError
+from recserve.errors import InternalError
 from recserve.lookup.transport import ShardCallError, ShardTransport
-from recserve.rpc.status import KIND_OF_CODE
+from recserve.rpc.status import error_from_code
 from recserve.rpc.tensors import pack
 from recserve.sharding.plan import ShardingPlan
 from recserve.sharding.upsert import split_upsert
 from recserve.v1 import common_pb2, embedding_pb2
-
-_ERROR_OF_KIND = {cls.kind: cls for cls in RecserveError.__subclasses__()}
-
-
-def _error(kind: ErrorKind, message: str) -> RecserveError:
-    return _ERROR_OF_KIND.get(kind, InternalError)(message)
-
 
 async def send_upsert(
     transport: ShardTransport,
@@ -65,6 +58,6 @@ async def send_upsert(
         first = failed[0][1]
         names = ", ".join(f"shard {s}: {e}" for s, e in failed)
         if isinstance(first, ShardCallError):
-            raise _error(KIND_OF_CODE.get(first.code, ErrorKind.INTERNAL), f"upsert of {len(ids)} rows into table {table!r} not acknowledged by {len(failed)} of {len(shards)} owners ({names})")
+            raise error_from_code(first.code, f"upsert of {len(ids)} rows into table {table!r} not acknowledged by {len(failed)} of {len(shards)} owners ({names})")
         raise InternalError(f"upsert of {len(ids)} rows into table {table!r} failed: {names}")
     return {s: int(r.rows_written) for s, r in zip(shards, replies) if isinstance(r, embedding_pb2.UpsertResponse)}

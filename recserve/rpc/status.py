@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import grpc
 
-from recserve.errors import ErrorKind, RecserveError
+from recserve.errors import ErrorKind, InternalError, RecserveError
 
 GRPC_CODE: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
@@ -34,6 +34,16 @@ HTTP_STATUS: dict[ErrorKind, int] = {
 RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 KIND_OF_CODE: dict[grpc.StatusCode, ErrorKind] = {code: kind for kind, code in GRPC_CODE.items()}
+
+
+_ERROR_CLASS: dict[ErrorKind, type[RecserveError]] = {cls.kind: cls for cls in RecserveError.__subclasses__()}
+
+
+def error_from_code(code: grpc.StatusCode | None, message: str) -> RecserveError:
+    """The RecserveError for a status received from a peer (unknown codes: INTERNAL),
+    so a status crosses a process hop unchanged."""
+    kind = KIND_OF_CODE.get(code, ErrorKind.INTERNAL) if code is not None else ErrorKind.INTERNAL
+    return _ERROR_CLASS.get(kind, InternalError)(message)
 
 
 def grpc_code(error: BaseException) -> grpc.StatusCode:

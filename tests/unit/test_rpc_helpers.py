@@ -89,3 +89,12 @@ def test_status_mapping_is_total_and_specific() -> None:
     assert "retry after 250 ms" in status.grpc_details(ResourceExhausted("queue full", retry_after_s=0.25))
     assert status.is_retryable(grpc.StatusCode.UNAVAILABLE)
     assert not status.is_retryable(grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_error_from_code_round_trips_every_kind() -> None:
+    for kind, code in status.GRPC_CODE.items():
+        err = status.error_from_code(code, "peer said no")
+        assert err.kind == kind and status.grpc_code(err) == code and err.message == "peer said no"
+    assert isinstance(status.error_from_code(grpc.StatusCode.UNAVAILABLE, "x"), status.RecserveError)
+    assert status.error_from_code(grpc.StatusCode.UNKNOWN, "x").kind.name == "INTERNAL"
+    assert status.error_from_code(None, "x").kind.name == "INTERNAL"

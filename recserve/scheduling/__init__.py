@@ -1,7 +1,7 @@
 """scheduling layer (see DESIGN.md §2, §6): one scheduler core with pluggable policies.
 
 - :class:`Scheduler` — the synchronous state machine (``add / schedule / complete /
-  fail / cancel / next_wakeup / stats``), EDF within priority classes, admission,
+  resolve / fail / cancel / next_wakeup / stats``), EDF within priority classes, admission,
   deadline drops, metrics;
 - policies — :class:`DynamicBatchPolicy` (ranker stages), :class:`FeatureParallelPolicy`
   (lookup client), built by :func:`make_policy` from a :class:`PolicyKind`; new ones
@@ -22,6 +22,7 @@ from recserve.scheduling.types import (
     Batch,
     Continue,
     Done,
+    Failed,
     Handle,
     ItemListener,
     ItemStatus,
@@ -33,7 +34,7 @@ from recserve.scheduling.types import (
 
 __all__ = [
     "AdmissionConfig", "Batch", "Continue", "Done", "DropReason", "DynamicBatchConfig", "DynamicBatchPolicy",
-    "FeatureParallelConfig", "FeatureParallelPolicy", "Handle", "ItemListener", "ItemStatus", "ItemStream",
+    "Failed", "FeatureParallelConfig", "FeatureParallelPolicy", "Handle", "ItemListener", "ItemStatus", "ItemStream",
     "Outcome", "Policy", "PolicyKind", "Preempted", "Priority", "Scheduler", "SchedulerStats", "SchedulerView",
     "ServingLoop", "SloControlConfig", "SloController", "SummaryStats", "WorkItem", "make_policy", "register_policy",
 ]

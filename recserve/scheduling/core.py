@@ -6,8 +6,10 @@ fake clock and the async :class:`~recserve.scheduling.loop.ServingLoop` drives i
 
     add ──▶ QUEUED ──schedule──▶ RUNNING ──complete: Done──────▶ DONE
               ▲  │                 │  ├──complete: Continue──▶ RESIDENT ──schedule (policy runs it)──▶ RUNNING
-              │  │                 │  └──complete: Preempted─▶ QUEUED
-              │  │                 └──fail──────────────────────▶ FAILED
+              │  │                 │  ├──complete: Preempted─▶ QUEUED
+              │  │                 │  └──complete: Failed────▶ FAILED      (that item only)
+              │  │                 ├──resolve: Done / Failed──▶ DONE / FAILED (early; complete skips it)
+              │  │                 └──fail──────────────────────▶ FAILED      (the whole batch)
               │  ├──deadline passes──▶ DROPPED (never executed)
               │  └──cancel──▶ CANCELLED      (RUNNING + cancel: outcome discarded at complete)
               └──policy preempts a RESIDENT item
@@ -30,7 +32,9 @@ from recserve.scheduling.estimators import ServiceTimeEstimator
 from recserve.scheduling.metrics import DropReason, SchedulerMetrics, SchedulerStats
 from recserve.scheduling.policy_base import Policy
 from recserve.scheduling.queue import EdfQueue
-from recserve.scheduling.types import Batch, Continue, Done, Handle, ItemListener, ItemStatus, Preempted, Priority, WorkItem
+from recserve.scheduling.types import (
+    TERMINAL, Batch, Continue, Done, Failed, Handle, ItemListener, ItemStatus, Preempted, Priority, Resolution, WorkItem,
+)
 from recserve.scheduling.view import CoreView
 
 log = logging.getLogger(__name__)
@@ -142,9 +146,10 @@ class Scheduler:
         return batch
 
     def complete(self, batch: Batch, outcomes: Sequence[Any], now: float) -> None:
-        """Apply one outcome per item (Done / Continue / Preempted). A count mismatch or a
-        non-outcome fails the batch's items with INTERNAL; outcomes of items cancelled
-        while running are discarded and their resources released here."""
+        """Apply one outcome per item (Done / Continue / Preempted / Failed). A count
+        mismatch or a non-outcome fails the batch's items with INTERNAL; outcomes of items
+        cancelled while running, or already answered through :meth:`resolve`, are
+        discarded and their resources released here."""
         self._take_inflight(batch)
         handles = batch.handles
         try:
@@ -170,7 +175,7 @@ class Scheduler:
         i = -1
         try:
             for i, (handle, outcome) in enumerate(zip(handles, outcomes)):
-                if handle.status is not _RUNNING:  # cancelled while running: discard, release
+                if handle.status is not _RUNNING:  # cancelled or resolved while running: discard, release
                     self._release(handle, now)
                     continue
                 kind = type(outcome)
@@ -198,9 +203,12 @@ class Scheduler:
                         handle.state = outcome.state
                     self._requeue(handle, now)
                     policy.on_requeue(handle, now)
+                elif kind is Failed:
+                    self._finish_error(handle, self._item_error(handle, outcome.error), ItemStatus.FAILED, now)
                 else:
                     self._finish_error(handle, InternalError(
-                        f"request {handle.request_id}: the runner returned {kind.__name__}; expected Done, Continue or Preempted"
+                        f"request {handle.request_id}: the runner returned {kind.__name__}; "
+                        "expected Done, Continue, Preempted or Failed"
                     ), ItemStatus.FAILED, now)
         except BaseException as exc:  # a policy hook bug: no item may be left RUNNING (its caller would hang)
             err = InternalError(f"batch {batch.batch_id}: completing it raised {exc!r}; its unfinished items fail")
@@ -212,9 +220,43 @@ class Scheduler:
             self.metrics.completed += completed
         policy.on_batch_done(batch, service_s, now)
 
+    def resolve(self, handle: Handle, outcome: Resolution, now: float) -> bool:
+        """Answer one RUNNING item early, while its batch still runs: ``Done(output)`` or
+        ``Failed(error)`` reaches its listener now and the item becomes terminal. The
+        batch's later ``complete`` / ``fail`` skips it (its outcome there is ignored) and
+        only then releases its quota and policy resources, which the runner may still be
+        using. Returns False if the item was already terminal (cancelled, dropped or
+        resolved before); resolving an item that is not running is a runner bug."""
+        status = handle.status
+        if status is not _RUNNING:
+            if status in TERMINAL:
+                return False
+            raise InternalError(f"request {handle.request_id}: resolve() needs a running item; it is {status.value}")
+        kind = type(outcome)
+        if kind is Done:
+            handle.status = _DONE
+            output = handle.output = outcome.output  # type: ignore[union-attr]
+            self.metrics.latency_s.record(now - handle.arrived_at)
+            self.metrics.completed += 1
+            listener = handle.listener
+            if listener is not None:
+                handle.listener = None
+                try:
+                    listener.on_done(handle, output)
+                except Exception:
+                    log.exception("listener of request %s failed on done", handle.request_id)
+        elif kind is Failed:
+            handle.status = ItemStatus.FAILED
+            self.metrics.failed += 1
+            self._notify_error(handle, self._item_error(handle, outcome.error))  # type: ignore[union-attr]
+        else:
+            raise InternalError(f"request {handle.request_id}: resolve() takes Done or Failed, not {kind.__name__}")
+        return True
+
     def fail(self, batch: Batch, error: BaseException, now: float) -> None:
-        """The runner failed: every item of the batch fails with ``error`` (non-recserve
-        exceptions are wrapped as INTERNAL)."""
+        """The runner failed: every item of the batch still running fails with ``error``
+        (non-recserve exceptions are wrapped as INTERNAL); items already resolved keep
+        their answer."""
         self._take_inflight(batch)
         if isinstance(error, RecserveError):
             err = error
@@ -379,8 +421,17 @@ class Scheduler:
         for handle in handles:
             if handle.status is _RUNNING:
                 self._finish_error(handle, error, ItemStatus.FAILED, now)
-            else:  # cancelled while running: already notified
+            else:  # cancelled or resolved while running: already notified
                 self._release(handle, now)
+
+    @staticmethod
+    def _item_error(handle: Handle, error: BaseException) -> RecserveError:
+        """A Failed outcome's error as the caller sees it: non-recserve errors become INTERNAL."""
+        if isinstance(error, RecserveError):
+            return error
+        err = InternalError(f"request {handle.request_id} failed in the runner: {error!r}")
+        err.__cause__ = error
+        return err
 
     def _notify_error(self, handle: Handle, error: RecserveError) -> None:
         """Every error is terminal for the item: its last notification."""

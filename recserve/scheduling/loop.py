@@ -5,7 +5,8 @@ asyncio event loop and runs its batches (DESIGN.md §6).
   (window end / slack point / earliest deadline), then forms batches while fewer than
   ``max_inflight`` are running. With every slot busy it still wakes at the earliest
   deadline, so expired items fail on time.
-- The runner takes a :class:`Batch` and returns one outcome per item. A coroutine
+- The runner takes a :class:`Batch` and returns one outcome per item; it may answer
+  items early with :meth:`ServingLoop.resolve` (their outcome at the end is ignored). A coroutine
   function (an RPC fan-out) is awaited on the loop; a plain function (CPU work: numpy,
   torch) runs on the executor — a thread pool of ``max_inflight`` threads by default —
   never on the event loop.
@@ -32,7 +33,7 @@ from typing import Any, Awaitable, Callable, Sequence, Union
 
 from recserve.errors import ConfigError, FailedPrecondition, InternalError, RecserveError, Unavailable
 from recserve.scheduling.core import Scheduler
-from recserve.scheduling.types import Batch, Handle, Priority, WorkItem
+from recserve.scheduling.types import Batch, Handle, Priority, Resolution, WorkItem
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +248,12 @@ class ServingLoop:
         future.handle = self.scheduler.add(item, self._clock(), future)
         self._wake_up()
         return future
+
+    def resolve(self, handle: Handle, outcome: Resolution) -> bool:
+        """Answer one item of a running batch early (``Done`` / ``Failed``), with this
+        loop's clock; see :meth:`Scheduler.resolve`. Call it on the loop's event-loop
+        thread, e.g. from a coroutine runner as each item's part of the work arrives."""
+        return self.scheduler.resolve(handle, outcome, self._clock())
 
     def _cancel(self, handle: Handle) -> None:
         if self.scheduler.cancel(handle, self._clock()):

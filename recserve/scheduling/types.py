@@ -7,7 +7,23 @@ receives a :class:`Batch` of handles and answers with one :class:`Outcome` per h
 - :class:`Done` — the item is finished; ``output`` resolves the caller's result;
 - :class:`Continue` — the item stays for a later step (decode iterations); its
   ``partial_output`` goes to the caller's stream and its cost may change;
-- :class:`Preempted` — the item goes back to the queue, keeping ``state``.
+- :class:`Preempted` — the item goes back to the queue, keeping ``state``;
+- :class:`Failed` — that item alone fails with ``error``; the rest of its batch goes on
+  (one bad decode sequence must not take its neighbours down).
+
+Early per-item resolution. A runner that learns one item's result before the whole
+batch is finished (the lookup client, as each caller's rows arrive) calls
+``Scheduler.resolve(handle, Done(output) | Failed(error), now)`` while the batch still
+runs. The caller is answered at once; the item becomes terminal, and the batch's later
+``complete`` (or ``fail``) skips it: whatever outcome it returns for that item is
+ignored, and the item's quota and policy resources are released only then, because the
+runner may still be using them. So the whole vocabulary is::
+
+    outcome at complete      early, while running      effect
+    Done(output)             resolve(h, Done(output))  caller gets output       (terminal)
+    Failed(error)            resolve(h, Failed(error)) caller gets error        (terminal)
+    Continue(...)            —                         stays for the next step
+    Preempted(state)         —                         back to the queue
 
 Everything here uses ``__slots__`` dataclasses: one handle per request is on the hot
 path and the core's budget is a few microseconds per item.
@@ -179,5 +195,15 @@ class Preempted:
     state: Any = None
 
 
-Outcome = Union[Done, Continue, Preempted]
+@dataclasses.dataclass(slots=True, frozen=True)
+class Failed:
+    """The item alone failed with ``error``; the rest of its batch goes on. A non-recserve
+    exception is reported to the caller as INTERNAL, with the original as its cause."""
+
+    error: BaseException
+
+
+Outcome = Union[Done, Continue, Preempted, Failed]
+Resolution = Union[Done, Failed]
+"""What ``Scheduler.resolve`` accepts: a terminal outcome given before the batch ends."""
 Outcomes = Sequence[Outcome]

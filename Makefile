@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # fbgemm's CPU build here; the CUDA build on machines with a working NVIDIA driver.
 FBGEMM := $(shell if nvidia-smi -L >/dev/null 2>&1; then echo fbgemm-gpu==1.8.0; else echo fbgemm-gpu-cpu==1.8.0; fi)
-PACKAGES := recserve embedding_server ranker cascade
+PACKAGES := recserve embedding_server ranker cascade generation
 PYTEST_ARGS ?=
 
 .PHONY: venv demo test unit integration typecheck protos redis bench-scheduler bench-sharding bench-lookup clean

@@ -7,9 +7,12 @@ each chunk's keys merged into sorted order, either as SST files ingested at the 
 WAL-less write batches (``LoadMethod.BATCH``) that are flushed to SST before the load is
 recorded.
 
-Idempotency: a load manifest in the database's metadata records each completed load,
-keyed by (source fingerprint, plan version, shard id). Re-running the same load is a
-no-op — in particular it never overwrites rows upserted since — unless ``force``.
+Idempotency: a load manifest in the database's metadata (:mod:`embedding_server.manifest`)
+records each completed load, keyed by (source fingerprint, plan version, shard id).
+Re-running the same load is a no-op — in particular it never overwrites rows upserted
+since — unless ``force``. A *different* load (a new plan version after a re-plan, a
+regenerated source) into a store that holds upserts newer than its last load is refused
+(FailedPrecondition naming both) unless ``overwrite``: the source arrays lack those rows.
 
 Sources (:func:`open_source`): a directory of ``<table>.npy`` files (or its
 ``embeddings/`` subdirectory; a catalog directory's ``<table>_vectors.npy`` also
@@ -22,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
-import json
 import logging
 import shutil
 import tempfile
@@ -35,12 +37,14 @@ import rocksdict
 
 from embedding_server.codec import encode_keys, encode_values
 from embedding_server.layout import TableLayout
+from embedding_server.manifest import check_no_upserts_lost, manifest_key, read_manifest, record_load, store_state
 from embedding_server.store import RowStore, sst_options
 from recserve.errors import ConfigError, InvalidArgument
 
+__all__ = ["LoadMethod", "LoadReport", "bulk_load", "manifest_key", "open_source", "read_manifest"]
+
 log = logging.getLogger(__name__)
 
-MANIFEST_KEY = "load_manifest"
 CHUNK_IDS = 65_536  # id-space span per SST file / write batch
 
 
@@ -56,16 +60,7 @@ class LoadReport:
     rows_written: dict[str, int]
     seconds: float
     method: LoadMethod
-
-
-def read_manifest(store: RowStore) -> dict[str, dict[str, object]]:
-    """Completed loads: manifest key -> record."""
-    raw = store.get_meta(MANIFEST_KEY)
-    return {} if raw is None else dict(json.loads(raw.decode()))
-
-
-def manifest_key(source_id: str, plan_version: int, shard_id: int) -> str:
-    return f"{source_id}|plan={plan_version}|shard={shard_id}"
+    overwritten_upserts: int = 0  # upsert batches discarded by an ``overwrite`` / ``force`` load
 
 
 def open_source(path: str | Path, tables: list[str]) -> tuple[dict[str, np.ndarray], str]:
@@ -145,12 +140,15 @@ def bulk_load(
     shard_id: int,
     method: LoadMethod = LoadMethod.SST,
     force: bool = False,
+    overwrite: bool = False,
     progress: bool = True,
 ) -> LoadReport:
     """Load this shard's owned rows of every table from ``source`` (table -> [rows, dim]).
 
     Skipped (``skipped=True``) when the manifest already records this load and not
-    ``force``. The manifest entry is written only after the rows are durable.
+    ``force``. Refused (FailedPrecondition) when the store holds upserts newer than its
+    last load, unless ``overwrite`` (or ``force``, which re-runs a load regardless).
+    The manifest entry is written only after the rows are durable.
     """
     from tqdm import tqdm
 
@@ -161,6 +159,12 @@ def bulk_load(
         log.info("bulk load %s already recorded; skipping", key)
         return LoadReport(key=key, skipped=True, rows_written={}, seconds=time.monotonic() - start, method=method)
     _check_source(layouts, source)
+    if overwrite or force:
+        state = store_state(store, manifest)
+        if state.pending_upserts:
+            log.warning("shard %d: load %s overwrites %s (asked to)", shard_id, key, state.describe())
+    else:
+        state = check_no_upserts_lost(store, key, shard_id=shard_id, action="load")
     total = sum(len(ids) for layout in layouts.values() for ids, _, _ in layout.owned_ids())
     written: dict[str, int] = {}
     tmp = Path(tempfile.mkdtemp(prefix="bulk-", dir=store.path.parent))
@@ -172,9 +176,8 @@ def bulk_load(
             store.flush()  # WAL-less rows must reach SST files before the load is recorded
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    manifest[key] = {"rows": written, "method": method.value, "wal": False, "finished_unix_s": time.time()}
-    store.put_meta(MANIFEST_KEY, json.dumps(manifest, sort_keys=True).encode())
-    return LoadReport(key=key, skipped=False, rows_written=written, seconds=time.monotonic() - start, method=method)
+    record_load(store, key, {"kind": "load", "rows": written, "method": method.value, "wal": False})
+    return LoadReport(key=key, skipped=False, rows_written=written, seconds=time.monotonic() - start, method=method, overwritten_upserts=state.pending_upserts)
 
 
 def _load_table(store: RowStore, layout: TableLayout, source: np.ndarray, method: LoadMethod, tmp: Path, bar: object) -> int:

@@ -42,10 +42,6 @@ def encode_keys(ids: np.ndarray) -> list[bytes]:
     return np.ascontiguousarray(ids, dtype=">i8").view("V8").tolist()  # type: ignore[no-any-return]
 
 
-def encode_key(row_id: int) -> bytes:
-    return int(row_id).to_bytes(KEY_BYTES, "big", signed=True)
-
-
 def decode_keys(keys: Sequence[bytes]) -> np.ndarray:
     """N 8-byte keys -> int64 ids [N]."""
     if not keys:

@@ -25,7 +25,9 @@ class ShardProcessConfig:
     table's dtype in the plan (RocksDB always keeps float32 rows, the source of truth). ``default_value`` fills the default row returned
     for a missing id. ``load_gate_file`` (test-only, needs ``fault_hook``) makes the
     server wait for that file to exist before it loads its tiers, so a test can observe
-    health NOT_SERVING deterministically.
+    health NOT_SERVING deterministically. ``load_from`` bulk-loads a source first (a no-op
+    when the manifest records it); a new load into a store holding upserts newer than its
+    last load is refused unless ``overwrite_upserts``.
     """
 
     shard_id: int
@@ -42,6 +44,7 @@ class ShardProcessConfig:
     fault_hook: bool = False
     load_gate_file: str | None = None
     load_from: str | None = None
+    overwrite_upserts: bool = False
 
     def __post_init__(self) -> None:
         _require(self.shard_id >= 0, "shard.shard_id", self.shard_id, "use a shard index >= 0 from the plan")

@@ -148,10 +148,3 @@ def set_fault(address: str, *, delay_ms: float = 0.0, code: str = "", methods: S
         call = channel.unary_unary(SET_METHOD, request_serializer=None, response_deserializer=None)
         reply = call(_request(delay_ms, code, methods, count), timeout=timeout_s)
     return json.loads(reply)  # type: ignore[no-any-return]
-
-
-async def set_fault_async(channel: grpc.aio.Channel, *, delay_ms: float = 0.0, code: str = "", methods: Sequence[str] = (), count: int = -1, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Async variant of :func:`set_fault` over an existing channel."""
-    call = channel.unary_unary(SET_METHOD, request_serializer=None, response_deserializer=None)
-    reply = await call(_request(delay_ms, code, methods, count), timeout=timeout_s)
-    return json.loads(reply)  # type: ignore[no-any-return]

@@ -4,8 +4,9 @@ int8 rowwise is fbgemm's fused format: per row ``D`` uint8 codes, then an fp32 s
 and an fp32 bias (``D + 8`` bytes), value = code * scale + bias. Quantisation uses
 ``torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized``; torch and fbgemm_gpu are
 imported on first use only (≈3-7 s and ≈220 MB here), so a shard serving float32 or
-float16 never loads them. Dequantisation is the documented affine formula in numpy
-(it agrees with ``Fused8BitRowwiseQuantizedToFloat`` to ≈1 ulp).
+float16 never loads them. Dequantisation is :func:`recserve.rpc.tensors.dequantize_int8`,
+the documented affine formula in numpy that the lookup client uses too (it agrees with
+``Fused8BitRowwiseQuantizedToFloat`` to ≈1 ulp).
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from typing import Any
 import numpy as np
 
 from recserve.errors import InvalidArgument
+from recserve.rpc.tensors import INT8_EXTRA_BYTES, dequantize_int8
 from recserve.v1 import common_pb2
-
-INT8_EXTRA_BYTES = 8  # fp32 scale + fp32 bias per row
 
 
 class RowDType(enum.Enum):
@@ -34,9 +34,6 @@ class RowDType(enum.Enum):
     def stored_width(self, width: int) -> int:
         """Elements per stored row of ``width`` values (int8 adds scale + bias)."""
         return width + INT8_EXTRA_BYTES if self is RowDType.INT8 else width
-
-    def row_bytes(self, width: int) -> int:
-        return {RowDType.FLOAT32: 4 * width, RowDType.FLOAT16: 2 * width, RowDType.INT8: width + INT8_EXTRA_BYTES}[self]
 
     @property
     def numpy(self) -> np.dtype[Any]:
@@ -92,16 +89,6 @@ def quantize_int8(rows: np.ndarray) -> np.ndarray:
     torch = _fbgemm_torch()
     src = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
     return torch.ops.fbgemm.FloatToFused8BitRowwiseQuantized(src).numpy()  # type: ignore[no-any-return]
-
-
-def dequantize_int8(fused: np.ndarray) -> np.ndarray:
-    """Fused int8 rowwise uint8 [N, W + 8] -> fp32 [N, W] (code * scale + bias)."""
-    width = fused.shape[1] - INT8_EXTRA_BYTES
-    tail = np.ascontiguousarray(fused[:, width:]).view("<f4")  # [N, 2]: scale, bias
-    out = fused[:, :width].astype(np.float32)
-    out *= tail[:, :1]
-    out += tail[:, 1:2]
-    return out
 
 
 def encode(rows: np.ndarray, dtype: RowDType) -> np.ndarray:

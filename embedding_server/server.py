@@ -84,7 +84,10 @@ def load_core(config: ShardProcessConfig, plan: ShardingPlan, layouts: dict[str,
     try:
         if config.load_from:
             source, source_id = open_source(config.load_from, sorted(layouts))
-            report = bulk_load(store, layouts, source, source_id=source_id, plan_version=plan.version, shard_id=config.shard_id, progress=False)
+            report = bulk_load(
+                store, layouts, source, source_id=source_id, plan_version=plan.version, shard_id=config.shard_id,
+                overwrite=config.overwrite_upserts, progress=False,
+            )  # fmt: skip
             log.info("shard %d bulk load %s: skipped=%s rows=%s", config.shard_id, report.key, report.skipped, report.rows_written)
         return ShardCore(
             config.shard_id,

@@ -23,9 +23,9 @@ from embedding_server.pooling import check_bags, pool_partial
 from embedding_server.quant import RowDType, from_wire
 from embedding_server.store import RowStore
 from embedding_server.table import TableTiers
-from embedding_server.tiers import TierKind
 from recserve.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from recserve.rpc.tensors import pack, unpack
+from recserve.sharding.plan import Tier
 from recserve.v1 import common_pb2, embedding_pb2
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class LookupOutcome:
 
     response: embedding_pb2.LookupResponse
     ids: int
-    served: dict[TierKind, int]
+    served: dict[Tier, int]
     missing: int
     not_owned: int
 
@@ -101,7 +101,7 @@ class ShardCore:
         if time.monotonic() > deadline:
             raise DeadlineExceeded(f"shard {self.shard_id}: lookup deadline passed before its gathers ran")
         response = embedding_pb2.LookupResponse(plan_version=self.plan_version)
-        served = {kind: 0 for kind in TierKind}
+        served = {kind: 0 for kind in Tier}
         missing = not_owned = total = 0
         for table, ids, (cs, ce), bags in decoded:
             result = table.lookup(ids, cs, ce, out)

@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from embedding_server.tiers import TierKind
+from recserve.sharding.plan import Tier
 
 LATENCY_WINDOW = 8192
 
@@ -33,10 +33,10 @@ class ShardCounters:
     upserts: int = 0
     errors: int = 0
 
-    def add_served(self, served: dict[TierKind, int]) -> None:
-        self.rows_served_hot += served.get(TierKind.HOT, 0)
-        self.rows_served_warm += served.get(TierKind.WARM, 0)
-        self.rows_served_cold += served.get(TierKind.COLD, 0)
+    def add_served(self, served: dict[Tier, int]) -> None:
+        self.rows_served_hot += served.get(Tier.HOT, 0)
+        self.rows_served_warm += served.get(Tier.WARM, 0)
+        self.rows_served_cold += served.get(Tier.COLD, 0)
 
 
 class LatencyWindow:

@@ -4,16 +4,22 @@ One column family per table, named after the table (so reordering the config rem
 nothing); keys and values as in :mod:`embedding_server.codec`. Every column family uses
 a block-based table with a bloom filter (point lookups of absent ids skip the data
 block) and one shared, sized block cache. The default column family holds metadata
-(the bulk-load manifest).
+(the bulk-load manifest and the upsert counter).
 
-Writes go through the WAL (``write_rows``); bulk loads use SST ingestion or WAL-less
-batches followed by a flush (:mod:`embedding_server.bulk_load`). All methods are
-synchronous and thread-safe as RocksDB is; callers run them off the event loop.
+Upserts go through the WAL (``write_rows``); bulk loads and migrations use SST ingestion
+or WAL-less batches followed by a flush (:mod:`embedding_server.bulk_load`,
+:mod:`embedding_server.migrate`). Every ``write_rows`` batch also bumps the persisted
+:class:`UpsertCounter` *in the same WriteBatch*, so an acknowledged upsert is always
+counted: a later load can tell that the store holds rows its source arrays lack. All
+methods are synchronous and thread-safe as RocksDB is; callers run them off the event loop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import struct
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -22,11 +28,24 @@ import numpy as np
 import rocksdict
 
 from embedding_server.codec import decode_values, encode_keys, encode_values
+from recserve.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
 BLOOM_BITS_PER_KEY = 10  # ≈1% false positives: absent-id reads rarely touch a data block
 META_PREFIX = b"__recserve__/"
+UPSERT_COUNTER_KEY = META_PREFIX + b"upsert_counter"
+_COUNTER = struct.Struct("<QQ")  # (batches, rows), little-endian u64
+
+
+@dataclasses.dataclass(frozen=True)
+class UpsertCounter:
+    """Upserts this store ever acknowledged: ``seq`` counts ``write_rows`` batches (one
+    per shard Upsert RPC), ``rows`` the rows they wrote. Monotonic; never reset (a load
+    records the ``seq`` it saw, see :mod:`embedding_server.bulk_load`)."""
+
+    seq: int = 0
+    rows: int = 0
 
 
 class RowStore:
@@ -55,13 +74,23 @@ class RowStore:
         if (self.path / "CURRENT").exists():
             existing = rocksdict.Rdict.list_cf(str(self.path), rocksdict.Options(raw_mode=True))
         families = {name: self._options() for name in set(existing) | set(tables) if name != "default"}
-        self._db = rocksdict.Rdict(str(self.path), self._options(), column_families=families)
+        try:
+            self._db = rocksdict.Rdict(str(self.path), self._options(), column_families=families)
+        except Exception as exc:  # rocksdict raises a bare Exception("IO error: ... LOCK ...")
+            if "/LOCK" in str(exc):  # "IO error: While lock file: <path>/LOCK: Resource temporarily unavailable"
+                raise FailedPrecondition(
+                    f"RocksDB at {str(self.path)!r} is already open (a running shard?): {exc}; stop it first"
+                ) from None
+            raise
         self._cfs = {name: self._db.get_column_family(name) for name in tables}
         self._handles = {name: self._db.get_column_family_handle(name) for name in tables}
         self._wal_opts = rocksdict.WriteOptions()
         self._wal_opts.sync = sync_writes
         self._nowal_opts = rocksdict.WriteOptions()
         setattr(self._nowal_opts, "disable_wal", True)  # a property at runtime (the stub says method)
+        self._counter_lock = threading.Lock()  # orders counter bumps across concurrent upserts
+        raw = self._db.get(UPSERT_COUNTER_KEY)
+        self._upserts = UpsertCounter(*_COUNTER.unpack(bytes(raw))) if raw is not None else UpsertCounter()
         self._closed = False
 
     def _options(self) -> rocksdict.Options:
@@ -89,9 +118,6 @@ class RowStore:
         values = cast("list[bytes | None]", self._cfs[table].get(keys))
         return decode_values(values, dim=self.dims[table], col_start=col_start, col_end=col_end)
 
-    def estimate_rows(self, table: str) -> int:
-        return int(self._cfs[table].property_int_value("rocksdb.estimate-num-keys") or 0)
-
     # -- writes --------------------------------------------------------------------
 
     def _batch(self, writes: Sequence[tuple[str, np.ndarray, np.ndarray, int, int]]) -> rocksdict.WriteBatch:
@@ -105,14 +131,26 @@ class RowStore:
         return batch
 
     def write_rows(self, writes: Sequence[tuple[str, np.ndarray, np.ndarray, int, int]]) -> None:
-        """Atomically write ``(table, ids [N], rows fp32 [N, W], col_start, col_end)``
+        """Upsert: atomically write ``(table, ids [N], rows fp32 [N, W], col_start, col_end)``
         groups in one WAL-logged batch: durable against a process kill once it returns
-        (and against power loss with ``sync_writes``)."""
-        self._db.write(self._batch(writes), self._wal_opts)
+        (and against power loss with ``sync_writes``). The same batch bumps the
+        :class:`UpsertCounter`, so no acknowledged upsert goes uncounted."""
+        batch = self._batch(writes)  # encoded outside the lock: upserts of other tables overlap
+        rows = sum(len(ids) for _, ids, _, _, _ in writes)
+        with self._counter_lock:
+            counter = UpsertCounter(self._upserts.seq + 1, self._upserts.rows + rows)
+            batch.put(UPSERT_COUNTER_KEY, _COUNTER.pack(counter.seq, counter.rows))  # default family
+            self._db.write(batch, self._wal_opts)
+            self._upserts = counter  # only once RocksDB took the batch
+
+    @property
+    def upserts(self) -> UpsertCounter:
+        """Upserts acknowledged so far (persisted with them)."""
+        return self._upserts
 
     def write_encoded_unlogged(self, table: str, keys: Sequence[bytes], values: Sequence[bytes]) -> None:
-        """Write encoded entries skipping the WAL (bulk load only): they are not durable
-        until :meth:`flush` returns."""
+        """Write encoded entries skipping the WAL (bulk load and migration only; not
+        counted as upserts): they are not durable until :meth:`flush` returns."""
         batch = rocksdict.WriteBatch(raw_mode=True)
         handle = self._handles[table]
         for key, value in zip(keys, values):

@@ -2,8 +2,9 @@
 
 A dense per-table map built once from the :class:`~embedding_server.layout.TableLayout`
 (``code`` uint8 and ``slot`` int32 over the id space, 5 B per row) turns routing into
-two ``np.take`` calls: ``code`` is 0 = not owned, 1 = hot, 2 = cold, 3 + j = warm slice
-j of this shard; ``slot`` is the row's slot in its DRAM tier. The state here is
+two ``np.take`` calls: ``code`` is a :class:`Residence` (where the id resides on *this*
+shard: not owned, hot, cold, or ``WARM0 + j`` = warm slice j of this shard); ``slot`` is
+the row's slot in its DRAM tier. The state here is
 synchronous and does no network I/O; a per-table lock serialises gathers and upserts so
 a cold read racing an upsert can never re-cache a stale row.
 """
@@ -11,6 +12,7 @@ a cold read racing an upsert can never re-cache a stale row.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import threading
 
 import numpy as np
@@ -19,10 +21,25 @@ from embedding_server.layout import TableLayout
 from embedding_server.quant import RowDType, encode
 from embedding_server.store import RowStore
 from embedding_server.cache import RowCache
-from embedding_server.tiers import ColdTier, Tier, TierKind, build_tier
+from embedding_server.tiers import ColdTier, StorageTier, build_tier
 from recserve.errors import FailedPrecondition, InvalidArgument
+from recserve.sharding.plan import Tier
 
-NOT_OWNED, HOT, COLD, WARM0 = 0, 1, 2, 3
+
+class Residence(enum.IntEnum):
+    """Where an id resides on this shard: the uint8 values of :attr:`TableTiers.code`.
+
+    Not the plan's :class:`~recserve.sharding.plan.Tier`: a warm id is stored here as one
+    column slice, so warm slice j of this shard is ``WARM0 + j`` (one code per storage
+    tier), and ids the shard does not own are ``NOT_OWNED`` (0, the map's zero fill).
+    """
+
+    NOT_OWNED = 0
+    HOT = 1
+    COLD = 2
+    WARM0 = 3
+
+
 MAX_NAMED_IDS = 10  # error messages quote at most this many ids
 
 
@@ -34,7 +51,7 @@ class TableLookupResult:
     rows: np.ndarray
     found: np.ndarray
     not_owned: np.ndarray
-    served: dict[TierKind, int]
+    served: dict[Tier, int]
     missing: int
 
 
@@ -44,7 +61,7 @@ class PreparedUpsert:
     ``(tier, ids [M], slots [M], rows fp32 [M, tier width])``."""
 
     table: str
-    groups: list[tuple[Tier, np.ndarray, np.ndarray, np.ndarray]]
+    groups: list[tuple[StorageTier, np.ndarray, np.ndarray, np.ndarray]]
 
     def store_writes(self) -> list[tuple[str, np.ndarray, np.ndarray, int, int]]:
         return [(self.table, ids, rows, tier.col_start, tier.col_end) for tier, ids, _, rows in self.groups]
@@ -70,15 +87,15 @@ class TableTiers:
         self.code = np.zeros(layout.rows, dtype=np.uint8)
         self.slot = np.full(layout.rows, -1, dtype=np.int32)
         common = dict(table=layout.name, store=store, dtype=dtype, id_space=layout.rows, cache_bytes=cache_bytes)
-        self.tiers: dict[int, Tier] = {
-            HOT: build_tier(TierKind.HOT, ids=layout.hot_ids, col_start=0, col_end=layout.dim, **common),  # type: ignore[arg-type]
-            COLD: build_tier(TierKind.COLD, ids=layout.cold_ids, col_start=0, col_end=layout.dim, **common),  # type: ignore[arg-type]
+        self.tiers: dict[int, StorageTier] = {  # keyed by Residence code
+            Residence.HOT: build_tier(Tier.HOT, ids=layout.hot_ids, col_start=0, col_end=layout.dim, **common),  # type: ignore[arg-type]
+            Residence.COLD: build_tier(Tier.COLD, ids=layout.cold_ids, col_start=0, col_end=layout.dim, **common),  # type: ignore[arg-type]
         }
-        self._index(layout.hot_ids, HOT)
-        self.code[layout.cold_ids] = COLD
+        self._index(layout.hot_ids, Residence.HOT)
+        self.code[layout.cold_ids] = Residence.COLD
         for j, warm in enumerate(layout.warm):
-            self.tiers[WARM0 + j] = build_tier(TierKind.WARM, ids=warm.ids, col_start=warm.col_start, col_end=warm.col_end, **common)  # type: ignore[arg-type]
-            self._index(warm.ids, WARM0 + j)
+            self.tiers[Residence.WARM0 + j] = build_tier(Tier.WARM, ids=warm.ids, col_start=warm.col_start, col_end=warm.col_end, **common)  # type: ignore[arg-type]
+            self._index(warm.ids, Residence.WARM0 + j)
 
     def _index(self, ids: np.ndarray, code: int) -> None:
         self.code[ids] = code
@@ -120,7 +137,7 @@ class TableTiers:
         parts: list[tuple[np.ndarray, np.ndarray]] = []  # (positions, rows) per group
         found = np.zeros(n, dtype=np.uint8)
         not_owned = np.ones(n, dtype=np.uint8)
-        served = {kind: 0 for kind in TierKind}
+        served = {kind: 0 for kind in Tier}
         with self.lock:
             for code, tier in self.tiers.items():
                 if not tier.col_start <= col_start < col_end <= tier.col_end:
@@ -164,7 +181,7 @@ class TableTiers:
             raise InvalidArgument(f"upsert {self.name}.ids: ids must be unique within one upsert")
         codes = np.take(self.code, ids)
         covered = np.zeros(len(ids), dtype=bool)
-        groups: list[tuple[Tier, np.ndarray, np.ndarray, np.ndarray]] = []
+        groups: list[tuple[StorageTier, np.ndarray, np.ndarray, np.ndarray]] = []
         for code, tier in self.tiers.items():
             pos = np.flatnonzero(codes == code)
             if len(pos) == 0 or not col_start <= tier.col_start < tier.col_end <= col_end:
@@ -190,16 +207,16 @@ class TableTiers:
 
     @property
     def cold_cache(self) -> RowCache:
-        cold = self.tiers[COLD]
+        cold = self.tiers[Residence.COLD]
         assert isinstance(cold, ColdTier)
         return cold.cache
 
     def tier_sizes(self) -> dict[str, int]:
-        warm = [t for c, t in self.tiers.items() if c >= WARM0]
-        cold = self.tiers[COLD]
+        warm = [t for c, t in self.tiers.items() if c >= Residence.WARM0]
+        cold = self.tiers[Residence.COLD]
         return {
-            "hot_rows": self.tiers[HOT].num_rows,
-            "hot_bytes": self.tiers[HOT].nbytes,
+            "hot_rows": self.tiers[Residence.HOT].num_rows,
+            "hot_bytes": self.tiers[Residence.HOT].nbytes,
             "warm_rows": sum(t.num_rows for t in warm),
             "warm_bytes": sum(t.nbytes for t in warm),
             "warm_col_start": min((t.col_start for t in warm), default=0),

@@ -9,33 +9,30 @@
 
 Every tier gathers with ``np.take`` over a whole request (no per-id Python, no ``W[ids]``
 advanced-indexing gathers) and returns rows already in the requested wire dtype.
-:func:`build_tier` is the one factory, keyed by :class:`TierKind`.
+:func:`build_tier` is the one factory, keyed by the plan's
+:class:`~recserve.sharding.plan.Tier` (the tier a plan assigns an id to is the tier that
+stores it here). :class:`StorageTier` is the storage ABC; "tier" alone means the plan's.
 """
 
 from __future__ import annotations
 
 import abc
-import enum
 
 import numpy as np
 
 from embedding_server.cache import RowCache
 from embedding_server.quant import RowDType, decode, encode
 from embedding_server.store import RowStore
+from recserve.sharding.plan import Tier
 
 LOAD_CHUNK_IDS = 65_536  # multi-get chunk when building DRAM tiers (bounds temporary memory)
 
 
-class TierKind(enum.Enum):
-    HOT = "hot"
-    WARM = "warm"
-    COLD = "cold"
+class StorageTier(abc.ABC):
+    """Rows of one table held by one storage tier, covering columns ``[col_start, col_end)``;
+    ``kind`` is the plan tier whose ids it stores."""
 
-
-class Tier(abc.ABC):
-    """Rows of one table held by one tier, covering columns ``[col_start, col_end)``."""
-
-    kind: TierKind
+    kind: Tier
     table: str
     col_start: int
     col_end: int
@@ -73,10 +70,10 @@ def _convert(rows: np.ndarray, stored: RowDType, lo: int, hi: int, full: int, ou
     return encode(np.ascontiguousarray(decode(rows, stored)[:, lo:hi]), out)
 
 
-class DramTier(Tier):
+class DramTier(StorageTier):
     """Contiguous rows ``[H, width]`` (int8: ``[H, width + 8]`` uint8) for sorted ``ids``."""
 
-    def __init__(self, kind: TierKind, table: str, ids: np.ndarray, col_start: int, col_end: int, dtype: RowDType) -> None:
+    def __init__(self, kind: Tier, table: str, ids: np.ndarray, col_start: int, col_end: int, dtype: RowDType) -> None:
         self.kind, self.table, self.col_start, self.col_end, self.dtype = kind, table, col_start, col_end, dtype
         self.ids = ids
         self.data = np.zeros((len(ids), dtype.stored_width(self.width)), dtype=dtype.numpy)
@@ -108,10 +105,10 @@ class DramTier(Tier):
         return int(self.data.nbytes + self.found.nbytes + self.ids.nbytes)
 
 
-class ColdTier(Tier):
+class ColdTier(StorageTier):
     """Full rows from RocksDB through an LRU row cache; ``slots`` are unused."""
 
-    kind = TierKind.COLD
+    kind = Tier.COLD
 
     def __init__(self, table: str, store: RowStore, dim: int, num_rows: int, cache: RowCache) -> None:
         self.table, self.store, self.col_start, self.col_end = table, store, 0, dim
@@ -148,7 +145,7 @@ class ColdTier(Tier):
 
 
 def build_tier(
-    kind: TierKind,
+    kind: Tier,
     *,
     table: str,
     store: RowStore,
@@ -158,10 +155,10 @@ def build_tier(
     dtype: RowDType,
     id_space: int,
     cache_bytes: int,
-) -> Tier:
+) -> StorageTier:
     """The tier factory: DRAM tiers are loaded from ``store`` here; the cold tier gets a
     row cache bounded by ``cache_bytes``."""
-    if kind is TierKind.COLD:
+    if kind is Tier.COLD:
         cache = RowCache(id_space=id_space, width=col_end, capacity_bytes=cache_bytes)
         return ColdTier(table, store, col_end, len(ids), cache)
     tier = DramTier(kind, table, ids, col_start, col_end, dtype)

@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from recserve.bench.arrivals import poisson_arrivals
+
 
 @dataclasses.dataclass
 class Stream:
@@ -107,10 +109,7 @@ async def open_loop_run(rate_per_s: float, seconds: float, total: int, handle: T
     generator reaches only after its deadline (the event loop is saturated) is shed and
     counted failed, so an overloaded run still ends about ``timeout_s`` after its
     arrivals. Same ``seed`` = same arrival times and requests."""
-    rng = np.random.default_rng(seed)
-    n = min(total, max(1, int(rate_per_s * seconds * 1.2) + 10))
-    arrivals = np.cumsum(rng.exponential(1.0 / rate_per_s, size=n))
-    arrivals = arrivals[arrivals < seconds]
+    arrivals = poisson_arrivals(rate_per_s, duration_s=seconds, count=total, rng=np.random.default_rng(seed))
     latencies = np.full(arrivals.size, np.nan)
     good = np.ones(arrivals.size, dtype=bool)
     failures = 0

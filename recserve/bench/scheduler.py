@@ -37,7 +37,8 @@ import math
 import time
 from typing import Any
 
-from recserve.bench.sweep import format_sweep, parse_rates, plot_sweep
+from recserve.bench.arrivals import poisson_arrivals
+from recserve.bench.sweep import format_sweep, parse_rates, percentile_ms, plot_sweep
 
 _PING = "/recserve.bench.Echo/Ping"
 _CORE_REPEATS = 20
@@ -258,27 +259,22 @@ async def open_loop(args: argparse.Namespace, *, batched: bool, table: Any, ids:
     await loop.aclose()
     stats = sched.stats()
     span = max(finished_at[0], t0 + offsets[-1]) - t0
-    lat = sorted(latencies)
-    lags.sort()
+    lat = np.asarray(latencies, dtype=np.float64)
     return {
-        "items_per_s": len(lat) / span,
-        "goodput_per_s": sum(1 for x in lat if x <= deadline_s) / span,
+        "items_per_s": lat.size / span,
+        "goodput_per_s": int(np.count_nonzero(lat <= deadline_s)) / span,
         "offered": n,
-        "completed": len(lat),
+        "completed": int(lat.size),
         "dropped_deadline": stats.drops["deadline"] - late_at_submit,
         "late_at_submit": late_at_submit,
         "rejected": rejected,
         "failed": stats.failed,
-        "p50_ms": _pct(lat, 0.50) * 1e3,
-        "p99_ms": _pct(lat, 0.99) * 1e3,
-        "arrival_lag_p99_ms": _pct(lags, 0.99) * 1e3,
+        "p50_ms": percentile_ms(lat, 50),  # None when nothing completed
+        "p99_ms": percentile_ms(lat, 99),
+        "arrival_lag_p99_ms": percentile_ms(np.asarray(lags), 99),
         "mean_batch_items": stats.batch_size.mean,
         "batches": stats.batches,
     }
-
-
-def _pct(sorted_xs: list[float], q: float) -> float:
-    return sorted_xs[min(len(sorted_xs) - 1, int(q * len(sorted_xs)))] if sorted_xs else math.nan
 
 
 async def _bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -294,7 +290,7 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     table = rng.standard_normal((args.table_rows, args.dim), dtype=np.float32)
     gather_rows_per_s = measure_gather_rows_per_s(table, 65_536, args.seed)
     n = max(1, int(args.rate * args.duration_s))
-    offsets = np.cumsum(rng.exponential(1.0 / args.rate, size=n))
+    offsets = poisson_arrivals(args.rate, count=n, rng=rng)
     ids = rng.integers(0, args.table_rows, size=(n, args.rows_per_item))
     gc.collect()  # each contender starts with no garbage of the previous phase to collect
     unbatched = await open_loop(args, batched=False, table=table, ids=ids, offsets=offsets, rtt_s=rtt_s)
@@ -335,7 +331,7 @@ async def rate_sweep(args: argparse.Namespace, *, table: Any, rtt_s: float) -> l
     out: list[dict[str, Any]] = []
     for rate in args.sweep_rates:
         n = max(1, int(rate * args.sweep_seconds))
-        offsets = np.cumsum(rng.exponential(1.0 / rate, size=n))
+        offsets = poisson_arrivals(rate, count=n, rng=rng)
         ids = rng.integers(0, args.table_rows, size=(n, args.rows_per_item))
         point: dict[str, Any] = {"offered_per_s": float(rate)}
         for name, batched in (("unbatched", False), ("batched", True)):
@@ -344,12 +340,17 @@ async def rate_sweep(args: argparse.Namespace, *, table: Any, rtt_s: float) -> l
             point[name] = {
                 "requests": c["offered"], "completed": c["completed"], "arrived_per_s": c["offered"] / float(offsets[-1]),
                 "achieved_per_s": c["items_per_s"], "goodput_per_s": c["goodput_per_s"],
-                "p50_ms": None if math.isnan(c["p50_ms"]) else c["p50_ms"], "p99_ms": None if math.isnan(c["p99_ms"]) else c["p99_ms"],
+                "p50_ms": c["p50_ms"], "p99_ms": c["p99_ms"],
                 "failures": c["dropped_deadline"] + c["late_at_submit"] + c["rejected"] + c["failed"],
                 "mean_batch_items": c["mean_batch_items"],
             }
         out.append(point)
     return out
+
+
+def _ms(value: float | None) -> str:
+    """A percentile in ms for the table ("n/a": nothing completed)."""
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _print_table(r: dict[str, Any]) -> None:
@@ -366,9 +367,9 @@ def _print_table(r: dict[str, Any]) -> None:
           f"{'dropped':>9}{'rejected':>9}{'gen lag p99':>13}")
     for name, key in ((f"batched ({r['window_ms']:g} ms window)", "batched"), ("unbatched (batch 1)", "unbatched")):
         c = r[key]
-        print(f"  {name:<22}{c['items_per_s']:>9,.0f}{c['goodput_per_s']:>10,.0f}{c['p50_ms']:>8.2f}{c['p99_ms']:>8.2f}"
+        print(f"  {name:<22}{c['items_per_s']:>9,.0f}{c['goodput_per_s']:>10,.0f}{_ms(c['p50_ms']):>8}{_ms(c['p99_ms']):>8}"
               f"{c['mean_batch_items']:>11.1f}{c['dropped_deadline'] + c['late_at_submit']:>9,}{c['rejected']:>9,}"
-              f"{c['arrival_lag_p99_ms']:>10.2f} ms")
+              f"{_ms(c['arrival_lag_p99_ms']):>10} ms")
     print(f"  batched / unbatched items/s: {r['batched_over_unbatched']:.2f}x   "
           "(items/s: completed; in SLO/s: completed within the deadline; dropped: deadline passed before running)")
     if "sweep" in r:

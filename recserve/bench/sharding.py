@@ -103,6 +103,7 @@ async def _replay(plan: Any, addresses: list[str], windows: list[Any], rate: flo
     import grpc
     import numpy as np
 
+    from recserve.bench.arrivals import poisson_arrivals
     from recserve.sharding.estimates import expected_owner_counts
     from recserve.v1 import embedding_pb2_grpc
 
@@ -115,7 +116,7 @@ async def _replay(plan: Any, addresses: list[str], windows: list[Any], rate: flo
     options = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
     channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
     stubs = [embedding_pb2_grpc.EmbeddingShardStub(c) for c in channels]
-    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, size=len(windows)))
+    arrivals = poisson_arrivals(rate, count=len(windows), rng=np.random.default_rng(seed))
     latencies: list[float] = []
 
     async def one(requests: dict[int, Any], started: float) -> None:
@@ -152,6 +153,7 @@ def _infos(addresses: list[str]) -> list[Any]:
 def _run_plan(name: str, result: Any, root: Path, source_dir: Path, windows: list[Any], args: argparse.Namespace) -> dict[str, Any]:
     import numpy as np
 
+    from recserve.bench.sweep import percentile_ms
     from recserve.cluster import ShardCluster
     from recserve.config.spec import ShardServerConfig
 
@@ -182,7 +184,7 @@ def _run_plan(name: str, result: Any, root: Path, source_dir: Path, windows: lis
         "p50_ms": float(max(a.p50_ms for a in after)),
         "p99_ms": float(max(a.p99_ms for a in after)),
         "p99_ms_per_shard": [round(a.p99_ms, 3) for a in after],
-        "client_window_p99_ms": float(np.percentile(replay.window_latencies_s, 99) * 1e3),
+        "client_window_p99_ms": percentile_ms(np.asarray(replay.window_latencies_s), 99),
         "rpcs": replay.rpcs,
         "memory_rss_bytes_per_shard": [int(a.rss_bytes) for a in after],
         # The servers' own DRAM tier sizes (hot + warm tensors), to read against the

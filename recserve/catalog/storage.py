@@ -126,12 +126,6 @@ class Catalog:
     def dim(self) -> int:
         return int(self.item_vectors.shape[1])
 
-    def item_rank(self) -> np.ndarray:
-        """``[N]`` int64 popularity rank of every id (0 = most popular)."""
-        rank = np.empty(self.num_items, dtype=np.int64)
-        rank[self.items_by_popularity] = np.arange(self.num_items, dtype=np.int64)
-        return rank
-
     def arrays(self) -> dict[str, np.ndarray]:
         """Every array by its manifest name (see :data:`ARRAY_NAMES`)."""
         return {

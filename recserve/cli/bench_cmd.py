@@ -10,6 +10,7 @@ BENCHMARKS: dict[str, str] = {
     "scheduler": "scheduler core and serving loop: batched vs unbatched, open-loop",
     "sharding": "row-only vs hybrid plans through real shard processes",
     "lookup": "feature-parallel client vs naive, Redis and local TorchRec",
+    "decode": "LLM decode engine: static vs continuous batching, paged KV, chunked prefill",
 }
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 
 from recserve.errors import RecserveError
@@ -20,11 +21,11 @@ COMMANDS: dict[str, str] = {
     "shard": "recserve.cli.shard_cmd",
     "bench": "recserve.cli.bench_cmd",
     "demo": "recserve.cli.demo_cmd",
+    "train": "recserve.cli.train_cmd",
 }
 # Planned subcommands (later issues); listed in --help so users see the roadmap.
 PLANNED: dict[str, str] = {
     "serve": "serve the whole cascade (Recommend) over gRPC and HTTP",
-    "train": "train the two-tower, DLRM and L3 models on a catalog's click log",
     "loadtest": "open-loop load test of the accumulation windows and the cascade",
 }
 
@@ -53,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Launched by recserve.cluster.process.spawn_child (its LIFELINE_FD_ENV; checked by
+    # name so that plain commands do not import recserve.cluster, which loads grpc).
+    if "RECSERVE_LIFELINE_FD" in os.environ:
+        from recserve.cluster.process import exit_with_parent
+
+        exit_with_parent()  # first: a server child must not outlive its parent
     parser = build_parser()
     args = parser.parse_args(argv)
     # Third-party libraries (fbgemm, torch) log chatter at INFO on the root logger; keep

@@ -1,9 +1,14 @@
 """``recserve shard``: run, load and inspect embedding shard servers.
 
-- ``recserve shard serve --plan PLAN --shard-id K --data DIR --port P [--load-from SRC]``
+- ``recserve shard serve --plan PLAN --shard-id K --data DIR --port P [--load-from SRC [--overwrite]]``
   runs one shard process (gRPC EmbeddingShard + health + reflection) until SIGTERM.
 - ``recserve shard load --plan PLAN --shard-id K --data DIR --from SRC`` bulk-loads the
   shard's owned rows into RocksDB (idempotent: a re-run is skipped via the manifest).
+  Both refuse to load over upserts newer than the store's last load unless ``--overwrite``.
+- ``recserve shard migrate --from-plan OLD --to-plan NEW --from-data ROOT --to-data ROOT``
+  copies every row, upserts included, from the old plan's shards (``ROOT/shard-K``) to
+  the new plan's, offline (stop the shards first); the new shards then start without
+  ``--load-from``.
 - ``recserve shard info --address HOST:PORT`` prints a shard's ShardInfo.
 - ``recserve shard plan --out PLAN [--config SPEC] [--catalog DIR] [--shards S]`` plans
   the spec's tables (item popularity from a catalog) and prints the planner's estimates.
@@ -42,6 +47,7 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--port", type=int, default=0, help="TCP port (0 = pick a free one; see --port-file)")
     serve.add_argument("--port-file", default=None, help="write the bound port here once listening")
     serve.add_argument("--load-from", default=None, help="bulk-load this source first if not loaded yet (dir of <table>.npy, .npz, .npy)")
+    serve.add_argument("--overwrite", action="store_true", help="let --load-from overwrite upserts acknowledged since the last load (they are lost)")
     serve.add_argument("--row-cache-bytes", type=_int_bytes, default=None, help="cold-row LRU cache bound (default 64M)")
     serve.add_argument("--block-cache-bytes", type=_int_bytes, default=None, help="RocksDB block cache (default 64M)")
     serve.add_argument("--threads", type=int, default=None, help="gather threads and torch/BLAS threads (default 1)")
@@ -60,8 +66,23 @@ def add_parser(subparsers: Any) -> None:
     load.add_argument("--from", dest="source", required=True, help="source: dir of <table>.npy, .npz, or .npy for a one-table plan")
     load.add_argument("--method", choices=("sst", "batch"), default="sst", help="SST ingestion (default) or WAL-less write batches + flush")
     load.add_argument("--force", action="store_true", help="load again even if the manifest records this load (overwrites upserts)")
+    load.add_argument("--overwrite", action="store_true", help="load even over upserts acknowledged since the last load (they are lost)")
     load.add_argument("--json", action="store_true", help="print the load report as one JSON object")
     load.set_defaults(func=run)
+
+    migrate = sub.add_parser(
+        "migrate", help="copy every row (upserts included) from an old plan's shards to a new plan's (offline)",
+        description="Copy every row, upserts included, from the stopped shards of OLD (data in FROM/shard-K) to the "
+        "owners under NEW (written to TO/shard-K): hot replicas, warm column slices, cold owners. Stop the shards "
+        "first: a running shard holds its RocksDB lock. Idempotent; the new shards then start without --load-from.",
+    )  # fmt: skip
+    migrate.add_argument("--from-plan", required=True, help="the plan the old shards served")
+    migrate.add_argument("--to-plan", required=True, help="the new plan (e.g. one more shard: recserve.sharding.replan)")
+    migrate.add_argument("--from-data", required=True, help="the old cluster's data root: shard K's RocksDB is in FROM/shard-K/rocksdb")
+    migrate.add_argument("--to-data", required=True, help="the new cluster's data root (another directory; created)")
+    migrate.add_argument("--overwrite", action="store_true", help="re-run even over upserts the new shards acknowledged since")
+    migrate.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    migrate.set_defaults(func=run)
 
     info = sub.add_parser("info", help="print a running shard's ShardInfo")
     info.add_argument("--address", required=True, help="HOST:PORT of the shard")
@@ -91,6 +112,8 @@ def run(args: argparse.Namespace) -> int:
         return _load(args)
     if args.shard_command == "plan":
         return _plan(args)
+    if args.shard_command == "migrate":
+        return _migrate(args)
     return _info(args)
 
 
@@ -134,6 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
         fault_hook=args.fault_hook or os.environ.get("RECSERVE_FAULT_HOOK", "") not in ("", "0", "false", "False"),
         load_gate_file=args.load_gate,
         load_from=args.load_from,
+        overwrite_upserts=args.overwrite,
     )
     asyncio.run(serve(config))
     return 0
@@ -153,16 +177,70 @@ def _load(args: argparse.Namespace) -> int:
     try:
         report = bulk_load(
             store, layouts, source, source_id=source_id, plan_version=plan.version, shard_id=args.shard_id,
-            method=LoadMethod(args.method), force=args.force, progress=not args.json and sys.stderr.isatty(),
-        )
+            method=LoadMethod(args.method), force=args.force, overwrite=args.overwrite, progress=not args.json and sys.stderr.isatty(),
+        )  # fmt: skip
     finally:
         store.close()
-    doc = {"key": report.key, "skipped": report.skipped, "rows_written": report.rows_written, "seconds": round(report.seconds, 3), "method": report.method.value}
+    doc = {
+        "key": report.key, "skipped": report.skipped, "rows_written": report.rows_written, "seconds": round(report.seconds, 3),
+        "method": report.method.value, "overwritten_upserts": report.overwritten_upserts,
+    }  # fmt: skip
     if args.json:
         print(json.dumps(doc))
     else:
         state = "already loaded (skipped)" if report.skipped else f"loaded {sum(report.rows_written.values()):,} rows in {report.seconds:.2f} s"
         print(f"shard {args.shard_id}: {state} [{report.key}]")
+    return 0
+
+
+def _migrate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from embedding_server.migrate import migrate
+    from embedding_server.server import data_paths
+    from embedding_server.store import RowStore
+    from recserve.cluster.shards import shard_data_dir
+    from recserve.errors import ConfigError
+    from recserve.sharding.plan import ShardingPlan
+
+    old, new = ShardingPlan.load(args.from_plan), ShardingPlan.load(args.to_plan)
+    from_root, to_root = Path(args.from_data).resolve(), Path(args.to_data).resolve()
+    if from_root == to_root:
+        raise ConfigError(f"--to-data {args.to_data!r} is --from-data: migrate into another directory (the old one stays as the rollback)")
+    old_paths = [data_paths(shard_data_dir(from_root, i)) for i in range(old.num_shards)]
+    absent = [str(p) for p in old_paths if not (p / "CURRENT").exists()]
+    if absent:
+        raise ConfigError(f"--from-data {args.from_data!r}: plan v{old.version} has {old.num_shards} shards but these hold no RocksDB: {absent}")
+    stores: list[RowStore] = []
+    try:  # opening takes each RocksDB's lock: a shard still running fails here, clearly
+        olds = [RowStore(p, {n: t.dim for n, t in old.tables.items()}) for p in old_paths]
+        stores += olds
+        news = [RowStore(data_paths(shard_data_dir(to_root, j)), {n: t.dim for n, t in new.tables.items()}) for j in range(new.num_shards)]
+        stores += news
+        report = migrate(old, new, olds, news, overwrite=args.overwrite, progress=not args.json and sys.stderr.isatty())
+    finally:
+        for store in stores:
+            store.close()
+    doc = {
+        "from_plan_version": report.from_version, "to_plan_version": report.to_version, "to_data": str(to_root),
+        "rows_written": {str(j): rows for j, rows in report.rows_written.items()}, "ids_incomplete": report.ids_incomplete,
+        "carried_upserts": report.carried_upserts, "carried_rows": report.carried_rows, "tables_dropped": report.tables_dropped,
+        "seconds": round(report.seconds, 3),
+    }  # fmt: skip
+    if args.json:
+        print(json.dumps(doc))
+        return 0
+    print(f"migrated plan v{report.from_version} ({old.num_shards} shards) -> v{report.to_version} ({new.num_shards} shards) into {to_root} in {report.seconds:.2f} s")
+    tables = sorted(new.tables)
+    print("  shard  " + "  ".join(f"{t:>12s}" for t in tables))
+    for j, rows in report.rows_written.items():
+        print(f"  {j:5d}  " + "  ".join(f"{rows[t]:12,d}" for t in tables))
+    print(f"  upserts carried over: {report.carried_upserts:,} batches ({report.carried_rows:,} rows, summed over the old shards' replicas)")
+    if any(report.ids_incomplete.values()):
+        print(f"  ids no old shard held in full (stay missing): {report.ids_incomplete}")
+    if report.tables_dropped:
+        print(f"  tables not in the new plan (not copied): {report.tables_dropped}")
+    print(f"  start the new shards on {to_root} without --load-from")
     return 0
 
 

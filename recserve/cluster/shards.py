@@ -1,9 +1,11 @@
 """Launch, watch and stop a set of embedding shard processes on loopback.
 
 :class:`ShardCluster` starts one ``recserve shard serve`` subprocess per shard of a plan
-(``subprocess``, never ``fork``: gRPC and fork do not mix), each on a free 127.0.0.1
-port it binds itself (``--port 0 --port-file``: no race between picking and binding),
-and waits until gRPC health reports SERVING. Used by integration tests and benchmarks::
+through :func:`recserve.cluster.process.spawn_child` (``subprocess``, never ``fork``:
+gRPC and fork do not mix; the shards exit when this process dies, even by SIGKILL), each
+on a free 127.0.0.1 port it binds itself (``--port 0 --port-file``: no race between
+picking and binding), and waits until gRPC health reports SERVING. Used by integration
+tests, benchmarks and the demo::
 
     with ShardCluster(plan_path, data_root, load_from=src) as cluster:
         stub = EmbeddingShardStub(grpc.insecure_channel(cluster.addresses[0]))
@@ -19,18 +21,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from recserve.cluster.process import STOP_GRACE_S, ChildProcess, spawn_child
 from recserve.config.spec import ShardServerConfig
 from recserve.errors import Unavailable
 
@@ -38,14 +39,17 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 PORT_POLL_S = 0.02
-STOP_GRACE_S = 5.0
+
+
+def shard_data_dir(data_root: str | Path, k: int) -> Path:
+    """Shard ``k``'s data directory under a cluster's ``data_root`` (RocksDB in ``rocksdb/``)."""
+    return Path(data_root) / f"shard-{k}"
 
 
 @dataclasses.dataclass
 class _Proc:
-    popen: subprocess.Popen[bytes]
+    child: ChildProcess
     port: int
-    log_file: IO[bytes]
 
 
 class ShardCluster:
@@ -110,32 +114,19 @@ class ShardCluster:
     def stop(self, k: int | None = None) -> None:
         """SIGTERM shard ``k`` (default: all), SIGKILL whatever outlives the grace."""
         ks = list(self._procs) if k is None else [k]
+        for i in ks:  # signal all first, so they shut down in parallel
+            self._procs[i].child.terminate()
         for i in ks:
-            proc = self._procs[i].popen
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for i in ks:
-            p = self._procs.pop(i)
-            try:
-                p.popen.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                p.popen.wait()
-            p.log_file.close()
+            self._procs.pop(i).child.stop(STOP_GRACE_S)
 
     def kill(self, k: int) -> None:
         """SIGKILL shard ``k`` and reap it; its port and data directory are kept."""
-        p = self._procs[k]
-        p.popen.send_signal(signal.SIGKILL)
-        p.popen.wait()
+        self._procs[k].child.kill()
 
     def restart(self, k: int, *, wait: bool = True) -> None:
         """Start shard ``k`` again on its previous port (stopping it first if alive)."""
         port = self._procs[k].port
-        if self._procs[k].popen.poll() is None:
-            self.stop(k)
-        else:
-            self._procs.pop(k).log_file.close()
+        self.stop(k)  # a no-op signal if it is already dead; reaps it and closes its lifeline
         self._spawn(k, port=port)
         if wait:
             self.wait_serving(k)
@@ -150,10 +141,10 @@ class ShardCluster:
         return f"127.0.0.1:{self._procs[k].port}"
 
     def pid(self, k: int) -> int:
-        return self._procs[k].popen.pid
+        return self._procs[k].child.pid
 
     def data_dir(self, k: int) -> Path:
-        return self.data_root / f"shard-{k}"
+        return shard_data_dir(self.data_root, k)
 
     def log_path(self, k: int) -> Path:
         return self.data_root / f"shard-{k}.log"
@@ -199,9 +190,9 @@ class ShardCluster:
         """Start shard ``k``'s process (port 0: it picks one and writes the port file)."""
         port_file = self._port_file(k)
         port_file.unlink(missing_ok=True)
-        log_file = open(self.log_path(k), "ab")  # append: a restart keeps the earlier log
-        popen = subprocess.Popen(self._command(k, port, port_file), env=self._env(), stdout=log_file, stderr=subprocess.STDOUT, cwd=str(REPO_ROOT))
-        self._procs[k] = _Proc(popen=popen, port=port, log_file=log_file)
+        # The log is appended to: a restart keeps the earlier log.
+        child = spawn_child(self._command(k, port, port_file), env=self._env(), log_file=self.log_path(k), cwd=REPO_ROOT)
+        self._procs[k] = _Proc(child=child, port=port)
 
     def _read_port(self, k: int, port_file: Path) -> int:
         deadline = time.monotonic() + self.start_timeout_s
@@ -213,7 +204,7 @@ class ShardCluster:
         return int(port_file.read_text())
 
     def _check_alive(self, k: int) -> None:
-        code = self._procs[k].popen.poll()
+        code = self._procs[k].child.poll()
         if code is not None:
             tail = self.log_path(k).read_bytes()[-3000:].decode(errors="replace")
             raise Unavailable(f"shard {k} exited with code {code} before SERVING; log tail:\n{tail}")

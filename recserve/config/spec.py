@@ -39,11 +39,6 @@ class TableConfig:
         _require(self.dtype in DTYPES, f"{f}.dtype", self.dtype, f"use one of {DTYPES}")
         _require(self.pooling in POOLINGS, f"{f}.pooling", self.pooling, f"use one of {POOLINGS}")
 
-    @property
-    def row_bytes_fp32(self) -> int:
-        return self.dim * 4
-
-
 @dataclasses.dataclass(frozen=True)
 class FeatureConfig:
     """A sparse feature (a KeyedJaggedTensor key) and the table it looks up."""

@@ -24,7 +24,6 @@ _EXPORTS = {
     "LookupStats": "recserve.lookup.stats",
     "GrpcShardTransport": "recserve.lookup.transport",
     "ShardTransport": "recserve.lookup.transport",
-    "ShardCallError": "recserve.lookup.transport",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -6,8 +6,9 @@ its own, then queues it on a :class:`~recserve.scheduling.ServingLoop` driven by
 ``min(max_window, target_ids / arrival_rate)`` (or earlier: ``target_ids`` waiting, or
 the tightest caller's slack only just covering the expected window time); the window's
 runner (:class:`~recserve.lookup.fanout.WindowRun`) dedups, routes, fans out one RPC
-per shard, hedges and resolves every caller by its own deadline. Up to
-``max_inflight_batches`` windows run at once.
+per shard, hedges and resolves every caller by its own deadline, each through the
+scheduler (``ServingLoop.resolve``) as soon as its rows are in: the scheduler's item
+future is the one result channel. Up to ``max_inflight_batches`` windows run at once.
 
 Example::
 
@@ -30,21 +31,19 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from recserve.errors import DeadlineExceeded, FailedPrecondition, InternalError, InvalidArgument
+from recserve.errors import FailedPrecondition, InternalError, InvalidArgument
 from recserve.lookup.config import LookupClientConfig
 from recserve.lookup.fanout import WindowRun
-from recserve.lookup.runtime import PendingLookup, Runtime
+from recserve.lookup.runtime import Runtime
 from recserve.lookup.health import Breakers, HedgeBudget, LatencyTracker
 from recserve.lookup.near_cache import NearCache
 from recserve.lookup.stats import LookupStats
 from recserve.lookup.transport import GrpcShardTransport, ShardTransport
-from recserve.lookup.reassemble import TableAssembly, resolve_callers
-from recserve.lookup.types import CallerLookup, LookupResult
+from recserve.lookup.types import LookupResult
 from recserve.lookup.upsert import send_upsert
 from recserve.lookup.validate import validate_features
-from recserve.lookup.window import merge_window
-from recserve.rpc.deadline import PRIORITY_ENUMS, context_from_header, make_header
-from recserve.scheduling import Batch, Done, FeatureParallelConfig, FeatureParallelPolicy, Scheduler, ServingLoop
+from recserve.rpc.deadline import context_from_header, make_header
+from recserve.scheduling import Batch, Failed, FeatureParallelConfig, FeatureParallelPolicy, Scheduler, ServingLoop
 from recserve.scheduling.admission import AdmissionConfig
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import common_pb2
@@ -169,16 +168,25 @@ class LookupClient:
     ) -> LookupResult:
         """Look up ``features`` (a KJT keyed by feature) for one caller.
 
-        The deadline is the earliest of ``deadline`` (monotonic s), ``now + timeout_s``
-        and the header's ``deadline_unix_ms``; none of them means no deadline beyond the
-        RPC timeout. Raises InvalidArgument for a bad input (this caller only),
-        ResourceExhausted when admission rejects, DeadlineExceeded when the deadline
-        had already passed on arrival. Otherwise returns a result by the deadline,
-        degraded (default rows, ``missing`` counted) for rows that could not arrive in
-        time — all of them if the deadline passed before a window could take it.
+        The deadline is the earliest of ``deadline`` (monotonic s on the client's clock),
+        ``now + timeout_s`` and the header's ``deadline_unix_ms``; none of them (or
+        ``math.inf``) means no deadline beyond the RPC timeout. A NaN ``deadline`` or
+        ``timeout_s`` is InvalidArgument; a ``timeout_s`` <= 0 (or -inf) is a deadline
+        already passed: DeadlineExceeded, like a header deadline in the past.
+
+        Raises InvalidArgument for a bad input (this caller only), ResourceExhausted when
+        admission rejects, DeadlineExceeded when the deadline had passed on arrival or
+        passes while the caller still waits in the queue (every window slot busy: the
+        scheduler drops it, no window ever sees it). Otherwise returns a result by the
+        deadline, degraded (default rows, ``missing`` counted) for rows that could not
+        arrive in time.
         """
         if self._loop is None:
             raise FailedPrecondition("LookupClient is not started; await client.start() first")
+        for name, value in (("timeout_s", timeout_s), ("deadline", deadline)):
+            if value is not None and math.isnan(value):
+                # min() would drop a NaN and silently serve without a deadline.
+                raise InvalidArgument(f"lookup {name} = {value!r} is invalid: give seconds as a number (math.inf or None for no deadline)")
         tenant, priority = "default", "standard"
         limit = math.inf if deadline is None else deadline
         if timeout_s is not None:
@@ -192,48 +200,23 @@ class LookupClient:
         except InvalidArgument:
             self.runtime.stats.callers_rejected += 1
             raise
-        future: asyncio.Future[LookupResult] = asyncio.get_running_loop().create_future()
-        pending = PendingLookup(caller, future, tenant, PRIORITY_ENUMS[priority])
-        item = self._loop.submit_nowait(pending, cost=max(caller.n_ids, 1), deadline=limit, tenant=tenant, priority=priority)
-
-        def propagate(done: "asyncio.Future[Any]") -> None:
-            # The scheduler finished the item before a window resolved the caller.
-            if future.done():
-                return
-            error = None if done.cancelled() else done.exception()
-            if done.cancelled():
-                future.cancel()
-            elif isinstance(error, DeadlineExceeded):
-                # Its deadline passed while queued (every window slot busy): it resolves
-                # at its deadline with what arrived, which is nothing.
-                future.set_result(self._nothing_arrived(caller))
-            elif error is not None:
-                future.set_exception(error)
-            else:
-                future.set_exception(InternalError("lookup window finished without resolving this caller"))
-
-        item.add_done_callback(propagate)
-        try:
-            return await future
-        except asyncio.CancelledError:
-            item.cancel()
-            raise
-
-    def _nothing_arrived(self, caller: CallerLookup) -> LookupResult:
-        """A caller's result when none of its rows arrived: all default rows, degraded."""
-        windows = merge_window([caller])
-        assemblies = {t: TableAssembly(w, self.runtime.config.table(t).dim, np.ones(w.unique, np.int16)) for t, w in windows.items()}
-        pooling = {t.name: t.pooling for t in self.config.tables}
-        result = resolve_callers([caller], [0], windows, assemblies, pooling)[0]
-        self.runtime.stats.missing += result.missing
-        self.runtime.stats.degraded_callers += int(result.degraded)
+        # The scheduler's item future is the one result channel: the window resolves it
+        # (ServingLoop.resolve) with this caller's result; cancelling the awaiting task
+        # cancels the item.
+        result: LookupResult = await self._loop.submit_nowait(caller, cost=max(caller.n_ids, 1), deadline=limit, tenant=tenant, priority=priority)
         return result
 
-    async def _run_window(self, batch: Batch) -> list[Done]:
-        pending = [p for p in batch.payloads if not p.future.done()]
-        if pending:
-            await WindowRun(self.runtime, pending).run()
-        return [Done(None)] * len(batch)
+    async def _run_window(self, batch: Batch) -> list[Failed]:
+        loop = self._loop
+        assert loop is not None
+        running = [h for h in batch.handles if not h.done]  # not cancelled since scheduling
+        if running:
+            await WindowRun(self.runtime, running, loop.resolve).run()
+        # Every caller was resolved through loop.resolve, so the scheduler ignores these;
+        # were one left unresolved (a bug), it fails loudly instead of hanging or
+        # receiving None.
+        unresolved = InternalError("lookup window finished without resolving this caller")
+        return [Failed(unresolved)] * len(batch)
 
     # ---- upserts -------------------------------------------------------------------------
 

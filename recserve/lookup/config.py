@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from recserve.config.spec import ClusterConfig, FeatureConfig, LookupConfig, TableConfig
+from recserve.config.spec import ClusterConfig, FeatureConfig, LookupConfig, ShardServerConfig, TableConfig
 from recserve.errors import ConfigError
 from recserve.errors import require as _require
 
@@ -36,6 +36,9 @@ class LookupClientConfig:
     the hedge budget (``lookup.hedge_budget`` is its long-run ratio).
     ``breaker_failures`` consecutive retryable failures open a shard's breaker for
     ``breaker_open_ms``, after which one probe window may use it again.
+    ``max_ids_per_rpc`` is the shards' limit (``shard_server.max_ids_per_rpc``, which
+    :meth:`from_cluster` copies; a shard answers RESOURCE_EXHAUSTED above it): a window
+    with more ids for one shard sends them in several RPCs of at most this many ids.
     """
 
     tables: tuple[TableConfig, ...]
@@ -49,6 +52,7 @@ class LookupClientConfig:
     breaker_failures: int = 3
     breaker_open_ms: float = 500.0
     rpc_timeout_ms: float = 1000.0
+    max_ids_per_rpc: int = ShardServerConfig.max_ids_per_rpc
     # A window closes this long before the tightest caller's deadline minus the
     # measured window time: an event loop busy with RPC replies (on a loaded 2-core box)
     # wakes a few milliseconds late, and a caller still queued at its deadline gets
@@ -76,12 +80,15 @@ class LookupClientConfig:
         _require(self.breaker_failures >= 1, "lookup_client.breaker_failures", self.breaker_failures, "use at least 1 failure")
         _require(self.breaker_open_ms > 0, "lookup_client.breaker_open_ms", self.breaker_open_ms, "use a positive duration in ms")
         _require(self.rpc_timeout_ms > 0, "lookup_client.rpc_timeout_ms", self.rpc_timeout_ms, "use a positive timeout in ms")
+        _require(self.max_ids_per_rpc > 0, "lookup_client.max_ids_per_rpc", self.max_ids_per_rpc, "use a positive id count (the shards' shard_server.max_ids_per_rpc)")
         _require(self.dispatch_margin_ms >= 0, "lookup_client.dispatch_margin_ms", self.dispatch_margin_ms, "use >= 0 ms")
         _require(self.offload_ids >= 0, "lookup_client.offload_ids", self.offload_ids, "use >= 0 ids")
 
     @classmethod
     def from_cluster(cls, cluster: ClusterConfig, **overrides: Any) -> "LookupClientConfig":
-        """The client config of ``cluster`` (its tables, features and ``lookup`` section)."""
+        """The client config of ``cluster`` (its tables, features, ``lookup`` section and
+        the shards' ``shard_server.max_ids_per_rpc``)."""
+        overrides.setdefault("max_ids_per_rpc", cluster.shard_server.max_ids_per_rpc)
         return cls(tables=cluster.tables, features=cluster.features, lookup=cluster.lookup, **overrides)
 
     def table(self, name: str) -> TableConfig:

@@ -5,13 +5,16 @@ wire codec, reassembly). For one window it
 
 1. merges and deduplicates the callers' ids per table, serves what it can from the near
    cache and routes the rest (:mod:`~recserve.lookup.route`);
-2. sends one RPC per destination shard, all at once; each carries the *latest*
+2. sends one RPC per destination shard, all at once (several, each of at most
+   ``max_ids_per_rpc`` ids, where a shard's share is larger); each carries the *latest*
    deadline among the callers it serves;
 3. as replies arrive, scatters them into the window's unique-row matrices; a shard that
    fails with a retryable status, or has not answered by its hedge delay, gets its
    replicated rows re-sent to the next live replica, within the hedge budget — never
-   for non-retryable statuses;
-4. resolves callers in groups: as soon as every row a caller needs has arrived or can
+   for non-retryable statuses. With shard-side partial pooling, hedges ask for rows,
+   not sums, so a late primary's sum and a hedge's rows never count a row twice;
+4. resolves callers in groups, each through the scheduler (``resolve`` of its handle,
+   while the window still runs): as soon as every row a caller needs has arrived or can
    no longer arrive, or at the caller's own deadline with what has arrived (the rest
    default rows, counted as missing);
 5. cancels whatever is still in flight once every caller is resolved (no zombie work).
@@ -24,18 +27,22 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 
+from recserve.errors import RecserveError
 from recserve.lookup.reassemble import TableAssembly, resolve_callers
-from recserve.lookup.route import FetchUnit, first_live, route_window
-from recserve.lookup.runtime import PendingLookup, Runtime
-from recserve.lookup.transport import ShardCallError
+from recserve.lookup.route import FetchUnit, chunk_units, first_live, route_window
+from recserve.lookup.runtime import Runtime
+from recserve.lookup.types import CallerLookup, LookupResult
 from recserve.lookup.window import TableWindow, merge_window
 from recserve.lookup.wire import build_request, parse_response
-from recserve.rpc.status import is_retryable
+from recserve.rpc.deadline import make_header
+from recserve.rpc.status import grpc_code, is_retryable
+from recserve.scheduling import Done, Handle
+from recserve.scheduling.types import Resolution
 from recserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -56,18 +63,25 @@ class _Call:
 
 
 class WindowRun:
-    """One window's life. ``await WindowRun(runtime, pending).run()``."""
+    """One window's life: ``await WindowRun(runtime, handles, loop.resolve).run()``.
 
-    def __init__(self, rt: Runtime, pending: list[PendingLookup]) -> None:
+    ``handles`` are the scheduler's running items of the window (payload: a
+    :class:`CallerLookup`); each caller's result is handed to ``resolve(handle,
+    Done(result))`` as soon as it is ready, on the event loop thread. An exception out of
+    :meth:`run` is the batch's failure (the serving loop fails every unresolved item).
+    """
+
+    def __init__(self, rt: Runtime, handles: Sequence[Handle], resolve: Callable[[Handle, Resolution], bool]) -> None:
         self.rt = rt
-        self.pending = pending
-        self.callers = [p.caller for p in pending]
+        self.handles = list(handles)
+        self._deliver = resolve
+        self.callers: list[CallerLookup] = [h.item.payload for h in self.handles]
         self.plan = rt.plan
         cfg = rt.config
         self.dims = {t.name: t.dim for t in cfg.tables}
         self.pooling = {t.name: t.pooling for t in cfg.tables}
         self.partial = cfg.partial_pooling and all(c.pooled for c in self.callers)
-        self.resolved = np.zeros(len(pending), dtype=bool)
+        self.resolved = np.zeros(len(self.handles), dtype=bool)
         self.deadlines = np.array([c.deadline for c in self.callers], dtype=np.float64)
         self.windows: dict[str, TableWindow] = {}
         self.asm: dict[str, TableAssembly] = {}
@@ -128,14 +142,14 @@ class WindowRun:
 
     # ---- sending -----------------------------------------------------------------------
 
-    def _header(self, deadline: float) -> common_pb2.RequestHeader:
-        first = self.pending[0]
-        unix_ms = 0 if math.isinf(deadline) else int((time.time() + deadline - self.rt.clock()) * 1000)
-        return common_pb2.RequestHeader(
+    def _header(self, deadline: float, now: float) -> common_pb2.RequestHeader:
+        """The RPC's header: the first caller's tenant, the most urgent caller's priority,
+        and ``deadline`` (monotonic s on the injected clock) as the time left from ``now``."""
+        return make_header(
+            timeout_s=None if math.isinf(deadline) else deadline - now,
+            tenant=self.handles[0].item.tenant,
+            priority=min(h.item.priority for h in self.handles).name.lower(),
             request_id=f"window-{id(self):x}",
-            tenant=first.tenant,
-            priority=min(p.priority for p in self.pending),  # type: ignore[arg-type]
-            deadline_unix_ms=max(unix_ms, 1) if unix_ms else 0,
         )
 
     def _known(self, shard: int) -> bool:
@@ -153,9 +167,10 @@ class WindowRun:
             units,
             self.windows,
             row_dtype=rt.config.row_dtype,
-            header=self._header(deadline),
+            header=self._header(deadline, now),
             plan_version=self.plan.version,
-            occurrence_bags=self.occ_bags,
+            # Hedges ask for rows even in partial-pooling mode (see TableAssembly).
+            occurrence_bags=None if is_hedge else self.occ_bags,
         )
         rt.stats.serialise_s += time.perf_counter() - t0
         n_ids = sum(len(u) for u in units)
@@ -212,11 +227,12 @@ class WindowRun:
                 m = has & (chosen == s)
                 groups.setdefault(int(s), []).append(FetchUnit(int(s), u.table, pos[m], 0, 0, rest[m]))
         for shard, units in groups.items():
-            if not self.rt.budget.try_spend():
-                self.rt.stats.hedges_denied += 1
-                continue
-            log.debug("hedging %d rows of shard %d to shard %d (%s)", sum(len(u) for u in units), call.shard, shard, reason)
-            self._send(shard, units, is_hedge=True)
+            for chunk in chunk_units(units, self.rt.config.max_ids_per_rpc):
+                if not self.rt.budget.try_spend():
+                    self.rt.stats.hedges_denied += 1
+                    continue
+                log.debug("hedging %d rows of shard %d to shard %d (%s)", sum(len(u) for u in chunk), call.shard, shard, reason)
+                self._send(shard, chunk, is_hedge=True)
 
     # ---- receiving ---------------------------------------------------------------------
 
@@ -225,15 +241,16 @@ class WindowRun:
         now = rt.clock()
         try:
             response = task.result()
-        except ShardCallError as e:
+        except RecserveError as e:  # the shard's status (transport.shard_call_error)
             self._finish_call(call, latency_s=None)
             rt.stats.rpc_errors += 1
-            if is_retryable(e.code):
+            code = grpc_code(e)
+            if is_retryable(code):
                 if self._known(call.shard):
                     rt.breakers.on_failure(call.shard, now)
-                self._hedge(call, f"error {e.code.name}")
+                self._hedge(call, f"error {code.name}")
             else:
-                log.warning("shard %d answered %s (not retried): %s", call.shard, e.code.name, e.details)
+                log.warning("shard %d lookup failed (not retried): %s", call.shard, e.message)
             return
         except Exception as e:  # a bug below the transport: fail this call only
             self._finish_call(call, latency_s=None)
@@ -252,7 +269,7 @@ class WindowRun:
                 call.units,
                 self.dims,
                 row_dtype=rt.config.row_dtype,
-                pooled=self.partial,
+                pooled=self.partial and not call.is_hedge,
                 num_bags={t: w.bag_lengths.shape[0] for t, w in self.windows.items()},
             )
         except Exception as e:  # malformed reply: treat as a non-retryable failure
@@ -265,7 +282,8 @@ class WindowRun:
         for u, r in zip(call.units, replies):
             asm = self.asm[u.table]
             if r.pooled is not None:
-                asm.put_partial(u.positions, r.pooled, u.col_start, u.col_end, r.found, r.not_owned)
+                if not asm.put_partial(u.positions, r.pooled, r.found, r.not_owned):
+                    log.error("shard %d sent a partial sum over rows already pooled; dropped", call.shard)
             else:
                 assert r.rows is not None
                 asm.put_rows(u.positions, r.rows, u.col_start, u.col_end, r.found, r.not_owned)
@@ -294,9 +312,9 @@ class WindowRun:
             unsettled += cum[w.id_offsets[1:]] - cum[w.id_offsets[:-1]]
         return unsettled == 0
 
-    def _resolve(self, group: list[int]) -> None:
-        if not group:
-            return
+    def _results(self, group: list[int]) -> list[LookupResult]:
+        """The results of callers ``group`` from what has arrived (pure CPU work, may run
+        on the executor)."""
         t0 = time.perf_counter()
         results = resolve_callers(self.callers, group, self.windows, self.asm, self.pooling)
         dt = time.perf_counter() - t0
@@ -304,13 +322,21 @@ class WindowRun:
             self.rt.stats.pool_s += dt
         else:
             self.rt.stats.gather_s += dt
-        for c, result in zip(group, results):
-            self.resolved[c] = True
-            self.rt.stats.missing += result.missing
-            self.rt.stats.degraded_callers += int(result.missing > 0)
-            fut = self.pending[c].future
-            if not fut.done():
-                fut.set_result(result)
+        return results
+
+    async def _resolve(self, group: list[int]) -> None:
+        """Resolve callers ``group`` through the scheduler. Callers already terminal there
+        (cancelled while the window ran) are skipped: nobody waits for their result."""
+        live = [c for c in group if not self.handles[c].done]
+        self.resolved[group] = True
+        if not live:
+            return
+        results = await self._offload(self._results, live)
+        stats = self.rt.stats
+        for c, result in zip(live, results):
+            stats.missing += result.missing
+            stats.degraded_callers += int(result.missing > 0)
+            self._deliver(self.handles[c], Done(result))  # on the loop thread, never the executor
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work on the executor for big windows, inline for small ones."""
@@ -329,16 +355,9 @@ class WindowRun:
         try:
             by_shard = await self._offload(self._prepare, rt.clock())
             for shard, units in by_shard.items():
-                self._send(shard, units, is_hedge=False)
+                for chunk in chunk_units(units, rt.config.max_ids_per_rpc):
+                    self._send(shard, chunk, is_hedge=False)
             await self._drive()
-        except BaseException as e:
-            for p in self.pending:
-                if not p.future.done():
-                    if isinstance(e, Exception):
-                        p.future.set_exception(e)
-                    else:
-                        p.future.cancel()
-            raise
         finally:
             self._cancel_outstanding()
             if self.first_send < self.last_reply:
@@ -348,13 +367,16 @@ class WindowRun:
         rt = self.rt
         while not self.resolved.all():
             now = rt.clock()
-            ready = np.flatnonzero(~self.resolved & (self._settled_callers() | (self.deadlines <= now)))
+            # Callers cancelled while the window runs need nothing more: stop waiting for
+            # them (noticed at the window's next wake-up).
+            gone = np.fromiter((h.done for h in self.handles), dtype=bool, count=len(self.handles))
+            ready = np.flatnonzero(~self.resolved & (gone | self._settled_callers() | (self.deadlines <= now)))
             if ready.size:
-                await self._offload(self._resolve, ready.tolist())
+                await self._resolve(ready.tolist())
                 continue
             active = [t for t, c in self.calls.items() if not c.finished]
             if not active:  # nothing more can arrive
-                await self._offload(self._resolve, np.flatnonzero(~self.resolved).tolist())
+                await self._resolve(np.flatnonzero(~self.resolved).tolist())
                 break
             wake = float(self.deadlines[~self.resolved].min())
             for t in active:

@@ -130,11 +130,6 @@ class LatencyTracker:
         bar = max(self.slow_factor * median, self.min_delay_s)
         return ejected | (known & (self._last >= now - self.slow_ttl_s) & (np.nan_to_num(self._ewma, nan=0.0) > bar))
 
-    def expected_rpc_s(self) -> float:
-        """Median of the shards' latency EWMAs (default delay when nothing is known)."""
-        known = self._ewma[~np.isnan(self._ewma)]
-        return float(np.median(known)) if known.size else self.default_delay_s
-
 
 class HedgeBudget:
     """Token bucket that keeps hedges + retries within ``ratio`` of primary RPCs."""

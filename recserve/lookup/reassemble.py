@@ -13,7 +13,8 @@ come): unpooled rows with one ``np.take`` per table over the group's occurrences
 pooled bags with one ``torch.nn.functional.embedding_bag`` per table over the unique
 rows with the group's indices and offsets — the same kernel, over the same rows in the
 same order, as TorchRec's ``EmbeddingBagCollection``, so fp32 sums match it exactly.
-With shard-side partial pooling the shards' partial sums are added instead.
+With shard-side partial pooling the shards' partial sums are added instead, plus the
+pooled rows that arrived as rows (warm column slices, hedges; see :class:`TableAssembly`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,14 @@ class TableAssembly:
 
     ``rows``: fp32 [U, D]; ``got`` / ``need``: int16 [U] pieces arrived / required;
     ``not_found``: bool [U] rows a shard answered with its default row (not stored).
-    In partial-pooling mode ``pooled`` is fp32 [G, D], the running sum over the
-    window's G bags.
+
+    In partial-pooling mode ``pooled`` is fp32 [G, D], the running sum of the primary
+    full-row replies' partial sums over the window's G bags, and ``in_pooled`` bool [U]
+    marks the rows those sums carry. Every other row arrives as a row into ``rows``:
+    warm column slices (so a half-arrived warm row is left out of every column, as in
+    unpooled mode) and hedges. A row is counted once: a partial sum always wins over the
+    same row delivered by a hedge (whichever comes first), so no row is dropped with a
+    reply and none is pooled twice. A caller's bags are ``pooled`` plus its pooled rows.
     """
 
     def __init__(self, window: TableWindow, dim: int, need: np.ndarray, *, partial: bool = False) -> None:
@@ -54,11 +61,16 @@ class TableAssembly:
         self.rows = np.zeros((window.unique, dim), dtype=np.float32)
         self.not_found = np.zeros(window.unique, dtype=bool)
         self.pooled = np.zeros((window.bag_lengths.shape[0], dim), dtype=np.float32) if partial else None
+        self.in_pooled = np.zeros(window.unique, dtype=bool) if partial else None
+        self.has_rows = False  # partial mode: some row arrived as a row (pool ``rows`` too)
 
     def put_rows(self, positions: np.ndarray, rows: np.ndarray, col_start: int, col_end: int, found: np.ndarray, not_owned: np.ndarray) -> int:
-        """Scatter a unit's rows [n, w]. Rows the shard does not own are not taken.
-        Returns how many rows were taken."""
+        """Scatter a unit's rows [n, w]. Rows the shard does not own are not taken, nor
+        (partial mode) rows a partial sum already carries. Returns how many were taken."""
         ok = ~not_owned
+        if self.in_pooled is not None:
+            ok &= ~self.in_pooled[positions]
+            self.has_rows = True
         pos = positions[ok] if not ok.all() else positions
         if pos.size == 0:
             return 0
@@ -78,21 +90,21 @@ class TableAssembly:
         self.rows[positions] = rows
         self.got[positions] = self.need[positions]
 
-    def put_partial(self, positions: np.ndarray, partial: np.ndarray, col_start: int, col_end: int, found: np.ndarray, not_owned: np.ndarray) -> bool:
-        """Add a unit's partial sums [G, w]. Partials are not idempotent, so a reply is
-        taken only if none of its rows has arrived already (through a hedge or the
-        primary); hedge units cover subsets of their primary's rows. Returns taken."""
-        assert self.pooled is not None
-        full = col_start == 0 and col_end == 0
-        if full and bool((self.got[positions] >= self.need[positions]).any()):
+    def put_partial(self, positions: np.ndarray, partial: np.ndarray, found: np.ndarray, not_owned: np.ndarray) -> bool:
+        """Add a primary full-row unit's partial sums [G, D] (rows it does not own
+        contribute zeros). Rows a hedge already delivered as rows are dropped from
+        ``rows``: the sum carries them now. Returns whether the reply was taken — always,
+        since primary units are disjoint and hedges travel as rows; a reply overlapping a
+        taken sum would double-count, so it is refused."""
+        assert self.pooled is not None and self.in_pooled is not None
+        owned = positions[~not_owned] if not_owned.any() else positions
+        if bool(self.in_pooled[owned].any()):
             return False
-        if full:
-            self.pooled += partial
-            ok = positions[~not_owned]
-            self.got[ok] = self.need[ok]
-        else:
-            self.pooled[:, col_start:col_end] += partial
-            self.got[positions[~not_owned]] += 1
+        self.pooled += partial
+        self.in_pooled[owned] = True
+        self.got[owned] = self.need[owned]
+        if self.has_rows:
+            self.rows[owned] = 0.0
         self.not_found[positions[~found & ~not_owned]] = True
         return True
 
@@ -130,6 +142,17 @@ def _per_feature(cum: np.ndarray, w: TableWindow, callers: Sequence[int], parts:
     first = np.cumsum(nf) - nf  # index of each caller's first feature
     start = np.repeat(w.id_offsets[np.asarray(callers, dtype=np.int64)] - ex[first], nf) + ex
     return np.asarray(cum[start + fc] - cum[start])
+
+
+def _pool_rows(w: TableWindow, sel: np.ndarray, bag_sel: np.ndarray, rows: np.ndarray, mode: str) -> torch.Tensor:
+    """Bags [len(bag_sel), D] of the callers ``sel`` pooled over the unique ``rows``
+    [U, D]: one embedding_bag, the kernel and order of TorchRec's EmbeddingBagCollection."""
+    occ_sel = _segments(w.id_offsets[sel], w.id_offsets[sel + 1])
+    inv = w.inverse if occ_sel.size == w.inverse.size else w.inverse[occ_sel]
+    lens = w.bag_lengths if bag_sel.size == w.bag_lengths.size else w.bag_lengths[bag_sel]
+    offsets = np.zeros(lens.shape[0], dtype=np.int64)
+    np.cumsum(lens[:-1], out=offsets[1:])
+    return F.embedding_bag(_tensor(inv), _tensor(rows), _tensor(offsets), mode=mode)
 
 
 def resolve_callers(
@@ -182,16 +205,13 @@ def resolve_callers(
             if asm.pooled is not None:
                 # A copy: later partials of this window must not change a resolved result.
                 out = _tensor(np.take(asm.pooled, bag_sel, axis=0))
+                if asm.has_rows:  # rows that arrived as rows (warm slices, hedges)
+                    out += _pool_rows(w, sel, bag_sel, rows, "sum")
                 if pooling[table] == "mean":
                     counts_f = _tensor(np.maximum(np.take(w.bag_lengths, bag_sel), 1).astype(np.float32))
                     out = out / counts_f[:, None]
             else:
-                occ_sel = _segments(w.id_offsets[sel], w.id_offsets[sel + 1])
-                inv = w.inverse if occ_sel.size == w.inverse.size else w.inverse[occ_sel]
-                lens = w.bag_lengths if bag_sel.size == w.bag_lengths.size else w.bag_lengths[bag_sel]
-                offsets = np.zeros(lens.shape[0], dtype=np.int64)
-                np.cumsum(lens[:-1], out=offsets[1:])
-                out = F.embedding_bag(_tensor(inv), _tensor(rows), _tensor(offsets), mode=pooling[table])
+                out = _pool_rows(w, sel, bag_sel, rows, pooling[table])
             start = 0
             for j in pooled_members:
                 caller = callers[group[j]]

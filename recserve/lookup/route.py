@@ -75,6 +75,37 @@ class RoutePlan:
         return out
 
 
+def chunk_units(units: list[FetchUnit], max_ids: int) -> list[list[FetchUnit]]:
+    """Split one shard's units into RPCs of at most ``max_ids`` ids each (a shard
+    answers RESOURCE_EXHAUSTED above its ``max_ids_per_rpc``; DESIGN.md §4).
+
+    Units are packed in order and cut where an RPC fills up, so every RPC but the last is
+    full and a unit spans at most ``ceil(len / max_ids) + 1`` RPCs. A loop over units and
+    cuts (a few per shard), never over ids. Example: units of 5 and 4 ids, ``max_ids`` 3
+    -> RPCs [5a:3], [5b:2 + 4a:1], [4b:3].
+    """
+    if sum(len(u) for u in units) <= max_ids:
+        return [units]  # the common case: one RPC per shard
+    rpcs: list[list[FetchUnit]] = []
+    current: list[FetchUnit] = []
+    room = max_ids
+    for u in units:
+        start, n = 0, len(u)
+        while start < n:
+            take = min(room, n - start)
+            end = start + take
+            part = u if (start, end) == (0, n) else dataclasses.replace(u, positions=u.positions[start:end], alternatives=u.alternatives[start:end])
+            current.append(part)
+            room -= take
+            start = end
+            if room == 0:
+                rpcs.append(current)
+                current, room = [], max_ids
+    if current:
+        rpcs.append(current)
+    return rpcs
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ShardState:
     """What routing knows about the shards, as arrays over shard ids.

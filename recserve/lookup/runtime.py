@@ -1,8 +1,7 @@
-"""State the lookup client shares across windows, and a caller waiting for a window."""
+"""State the lookup client shares across windows."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 from collections.abc import Callable
@@ -16,19 +15,7 @@ from recserve.lookup.near_cache import NearCache
 from recserve.lookup.route import ShardState
 from recserve.lookup.stats import LookupStats
 from recserve.lookup.transport import ShardTransport
-from recserve.lookup.types import CallerLookup, LookupResult
 from recserve.sharding.plan import ShardingPlan
-from recserve.v1 import common_pb2
-
-
-@dataclasses.dataclass(slots=True)
-class PendingLookup:
-    """A validated caller waiting in (or for) a window; ``future`` gets its result."""
-
-    caller: CallerLookup
-    future: "asyncio.Future[LookupResult]"
-    tenant: str = "default"
-    priority: int = common_pb2.STANDARD
 
 
 @dataclasses.dataclass

@@ -2,9 +2,11 @@
 
 :class:`ShardTransport` is what the client calls; :class:`GrpcShardTransport` is the
 real one (one grpc.aio channel per shard, message limits raised, gRPC's own retries
-off because the client hedges and fails over itself). Every failure surfaces as
-:class:`ShardCallError` carrying a ``grpc.StatusCode`` so the client can ask
-:func:`recserve.rpc.status.is_retryable` before it hedges or retries.
+off because the client hedges and fails over itself). Every failure surfaces as the
+:class:`~recserve.errors.RecserveError` of the shard's status (through the one mapping,
+:func:`recserve.rpc.status.error_from_code`; codes without a kind are INTERNAL), so
+the client asks ``is_retryable(grpc_code(error))`` before it hedges or retries, and a
+status crosses the hop unchanged.
 """
 
 from __future__ import annotations
@@ -15,21 +17,20 @@ from typing import Protocol
 
 import grpc
 
+from recserve.errors import RecserveError
+from recserve.rpc.status import error_from_code
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
 
 
-class ShardCallError(Exception):
-    """A shard RPC failed with ``code`` (a ``grpc.StatusCode``)."""
-
-    def __init__(self, shard: int, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"shard {shard}: {code.name}: {details}")
-        self.shard = shard
-        self.code = code
-        self.details = details
+def shard_call_error(shard: int, code: grpc.StatusCode, details: str) -> RecserveError:
+    """The error of a failed shard RPC: the RecserveError of ``code``'s kind, its
+    message naming the shard and the status ("shard 2: UNAVAILABLE: connection refused")."""
+    return error_from_code(code, f"shard {shard}: {code.name}: {details}")
 
 
 class ShardTransport(Protocol):
-    """Async RPCs to shard ``k`` (``0 <= k < num_shards``); raise ShardCallError."""
+    """Async RPCs to shard ``k`` (``0 <= k < num_shards``); failures raise the
+    :func:`shard_call_error` of their status."""
 
     @property
     def num_shards(self) -> int: ...
@@ -83,13 +84,13 @@ class GrpcShardTransport:
 
     async def _call(self, shard: int, method: str, request: object, timeout_s: float) -> object:
         if not 0 <= shard < len(self.addresses):
-            raise ShardCallError(shard, grpc.StatusCode.INVALID_ARGUMENT, f"no address for shard {shard} ({len(self.addresses)} known)")
+            raise shard_call_error(shard, grpc.StatusCode.INVALID_ARGUMENT, f"no address for shard {shard} ({len(self.addresses)} known)")
         try:
             return await getattr(self._stub(shard), method)(request, timeout=max(timeout_s, 1e-3))
         except grpc.aio.AioRpcError as e:
-            raise ShardCallError(shard, e.code(), e.details() or "") from None
+            raise shard_call_error(shard, e.code(), e.details() or "") from None
         except asyncio.TimeoutError:
-            raise ShardCallError(shard, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.1f} ms") from None
+            raise shard_call_error(shard, grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s * 1000:.1f} ms") from None
 
     async def lookup(self, shard: int, request: embedding_pb2.LookupRequest, timeout_s: float) -> embedding_pb2.LookupResponse:
         return await self._call(shard, "Lookup", request, timeout_s)  # type: ignore[return-value]

@@ -14,9 +14,9 @@ import asyncio
 
 import numpy as np
 
-from recserve.errors import InternalError
-from recserve.lookup.transport import ShardCallError, ShardTransport
-from recserve.rpc.status import error_from_code
+from recserve.errors import InternalError, RecserveError
+from recserve.lookup.transport import ShardTransport
+from recserve.rpc.status import error_from_code, grpc_code
 from recserve.rpc.tensors import pack
 from recserve.sharding.plan import ShardingPlan
 from recserve.sharding.upsert import split_upsert
@@ -56,8 +56,9 @@ async def send_upsert(
     failed = [(s, r) for s, r in zip(shards, replies) if isinstance(r, BaseException)]
     if failed:
         first = failed[0][1]
-        names = ", ".join(f"shard {s}: {e}" for s, e in failed)
-        if isinstance(first, ShardCallError):
-            raise error_from_code(first.code, f"upsert of {len(ids)} rows into table {table!r} not acknowledged by {len(failed)} of {len(shards)} owners ({names})")
+        # A shard's status error names its shard already (transport.shard_call_error).
+        names = ", ".join(str(e) if isinstance(e, RecserveError) else f"shard {s}: {e!r}" for s, e in failed)
+        if isinstance(first, RecserveError):  # a shard's status: keep its kind
+            raise error_from_code(grpc_code(first), f"upsert of {len(ids)} rows into table {table!r} not acknowledged by {len(failed)} of {len(shards)} owners ({names})")
         raise InternalError(f"upsert of {len(ids)} rows into table {table!r} failed: {names}")
     return {s: int(r.rows_written) for s, r in zip(shards, replies) if isinstance(r, embedding_pb2.UpsertResponse)}

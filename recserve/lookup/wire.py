@@ -3,12 +3,15 @@
 One request per shard carries one ``TableLookup`` per unit (table, column slice); the
 shard answers ``TableRows`` in the same order. Rows arrive as fp32, fp16 or fbgemm's
 fused int8-rowwise layout (``D`` uint8 codes + fp32 scale + fp32 bias per row) and are
-decoded to fp32 here, with numpy (the int8 formula is fbgemm's documented affine one,
-so the client needs no fbgemm import).
+decoded to fp32 here, with numpy (int8 through :func:`recserve.rpc.tensors.dequantize_int8`,
+fbgemm's documented affine formula, so the client needs no fbgemm import).
 
-In shard-side partial pooling mode a unit also carries its bags: for every window bag,
-the positions (into the unit's own ids) of the bag's ids that this unit fetches. The
-shard returns fp32 partial sums per bag, which the client adds up.
+In shard-side partial pooling mode a full-row unit also carries its bags: for every
+window bag, the positions (into the unit's own ids) of the bag's ids that this unit
+fetches. The shard returns fp32 partial sums per bag, which the client adds up. A
+column-slice unit (warm rows) carries *row bags* instead, one bag per id, so its "partial
+sums" are its rows, exactly: a warm row counts only if every slice arrives, and a sum
+could not drop a row whose other slice went missing (the client pools those rows itself).
 """
 
 from __future__ import annotations
@@ -20,11 +23,10 @@ import numpy as np
 from recserve.errors import InternalError
 from recserve.lookup.route import FetchUnit
 from recserve.lookup.window import TableWindow
-from recserve.rpc.tensors import pack, unpack
+from recserve.rpc.tensors import INT8_EXTRA_BYTES, dequantize_int8, pack, unpack
 from recserve.v1 import common_pb2, embedding_pb2
 
 ROW_DTYPE_ENUM = {"float32": common_pb2.FLOAT32, "float16": common_pb2.FLOAT16, "int8": common_pb2.INT8_ROWWISE}
-INT8_EXTRA = 8  # fp32 scale + fp32 bias after the D codes
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,7 +68,8 @@ def build_request(
     occurrence_bags: dict[str, np.ndarray] | None = None,
 ) -> embedding_pb2.LookupRequest:
     """One shard's request: a TableLookup per unit, in unit order. ``occurrence_bags``
-    (table -> [N]) switches on shard-side partial pooling."""
+    (table -> [N]) switches on shard-side partial pooling: full-row units carry the
+    window's bags, column-slice units row bags (see the module docstring)."""
     lookups = []
     for u in units:
         w = windows[u.table]
@@ -74,7 +77,10 @@ def build_request(
             table=u.table, ids=pack(np.take(w.unique_ids, u.positions)), col_start=u.col_start, col_end=u.col_end
         )
         if occurrence_bags is not None:
-            idx, off = unit_bags(w, occurrence_bags[u.table], u.positions)
+            if u.full_row:
+                idx, off = unit_bags(w, occurrence_bags[u.table], u.positions)
+            else:
+                idx, off = np.arange(len(u), dtype=np.int64), np.arange(len(u) + 1, dtype=np.int64)
             tl.bag_indices.CopyFrom(pack(idx))
             tl.bag_offsets.CopyFrom(pack(off))
         lookups.append(tl)
@@ -91,12 +97,8 @@ def decode_rows(tensor: common_pb2.Tensor, field: str, n: int, width: int, row_d
     """Rows on the wire -> fp32 [n, width] (fp16 widened, int8 rowwise dequantised)."""
     if row_dtype == "int8":
         fused = unpack(tensor, field, expect_dtype=common_pb2.INT8_ROWWISE, expect_ndim=2)
-        _check_shape(fused.shape, (n, width + INT8_EXTRA), field)
-        tail = np.ascontiguousarray(fused[:, width:]).view("<f4")  # [n, 2]: scale, bias
-        out = fused[:, :width].astype(np.float32)
-        out *= tail[:, :1]
-        out += tail[:, 1:2]
-        return out
+        _check_shape(fused.shape, (n, width + INT8_EXTRA_BYTES), field)
+        return dequantize_int8(fused)
     rows = unpack(tensor, field, expect_dtype=ROW_DTYPE_ENUM[row_dtype], expect_ndim=2)
     _check_shape(rows.shape, (n, width), field)
     return rows if row_dtype == "float32" else rows.astype(np.float32)
@@ -116,7 +118,9 @@ def parse_response(
     pooled: bool,
     num_bags: dict[str, int] | None = None,
 ) -> list[UnitReply]:
-    """Match ``response.tables`` to ``units`` (same order) and decode each.
+    """Match ``response.tables`` to ``units`` (same order) and decode each. With
+    ``pooled`` (a partial-pooling request), full-row units reply partial sums over the
+    table window's bags and column-slice units their rows (row bags).
 
     Raises InternalError when the reply does not fit the request (count, table, slice
     or shape mismatch): the caller treats that shard call as failed, not retryable.
@@ -137,8 +141,11 @@ def parse_response(
         if pooled:
             assert num_bags is not None
             part = unpack(tr.pooled, f"{field}.pooled", expect_dtype=common_pb2.FLOAT32, expect_ndim=2)
-            _check_shape(part.shape, (num_bags[u.table], width), f"{field}.pooled")
-            out.append(UnitReply(None, found.astype(bool), not_owned.astype(bool), part))
+            _check_shape(part.shape, (num_bags[u.table] if u.full_row else n, width), f"{field}.pooled")
+            if u.full_row:
+                out.append(UnitReply(None, found.astype(bool), not_owned.astype(bool), part))
+            else:  # row bags: one bag per id, so the sums are the rows
+                out.append(UnitReply(part, found.astype(bool), not_owned.astype(bool), None))
         else:
             rows = decode_rows(tr.rows, f"{field}.rows", n, width, row_dtype)
             out.append(UnitReply(rows, found.astype(bool), not_owned.astype(bool), None))

@@ -94,8 +94,3 @@ def make_header(
         priority=PRIORITY_ENUMS[priority],  # type: ignore[arg-type]
         deadline_unix_ms=deadline_ms,
     )
-
-
-def remaining_s(deadline: float, now: float | None = None) -> float:
-    """Seconds left until a monotonic deadline (may be negative or inf)."""
-    return deadline - (time.monotonic() if now is None else now)

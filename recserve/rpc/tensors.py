@@ -21,6 +21,7 @@ from recserve.errors import InvalidArgument
 from recserve.v1 import common_pb2
 
 # INT8_ROWWISE rows are uint8 on the wire: D quantised bytes + fp32 scale + fp32 bias.
+INT8_EXTRA_BYTES = 8  # fp32 scale + fp32 bias after a row's D codes
 _NP_OF: dict[int, np.dtype] = {
     common_pb2.FLOAT32: np.dtype("<f4"),
     common_pb2.FLOAT16: np.dtype("<f2"),
@@ -86,3 +87,22 @@ def unpack(
             f"byte length must be a multiple of {np_dtype.itemsize})"
         )
     return np.frombuffer(tensor.data, dtype=np_dtype).reshape(shape)
+
+
+def dequantize_int8(fused: np.ndarray) -> np.ndarray:
+    """Fused int8-rowwise uint8 ``[N, W + 8]`` -> fp32 ``[N, W]``: code * scale + bias.
+
+    The one int8 decoder, shared by the shard (tier conversions) and the lookup client
+    (wire replies). It is fbgemm's documented affine formula in numpy, agreeing with
+    ``torch.ops.fbgemm.Fused8BitRowwiseQuantizedToFloat`` to about 1 ulp, so neither
+    side imports torch to read int8 rows (only quantising needs fbgemm).
+
+    Example: a row with codes ``[0, 255]``, scale 0.5 and bias -1 decodes to
+    ``[-1.0, 126.5]``.
+    """
+    width = fused.shape[1] - INT8_EXTRA_BYTES
+    tail = np.ascontiguousarray(fused[:, width:]).view("<f4")  # [N, 2]: scale, bias
+    out = fused[:, :width].astype(np.float32)
+    out *= tail[:, :1]
+    out += tail[:, 1:2]
+    return out

@@ -19,7 +19,7 @@ import math
 from typing import Callable
 
 from recserve.config.spec import TenantConfig
-from recserve.errors import ConfigError, InvalidArgument, ResourceExhausted
+from recserve.errors import InvalidArgument, ResourceExhausted, require
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,16 +41,12 @@ class AdmissionConfig:
     max_retry_after_s: float = 10.0
 
     def __post_init__(self) -> None:
-        def require(ok: bool, field: str, value: object, fix: str) -> None:
-            if not ok:
-                raise ConfigError(f"admission.{field} = {value!r} is invalid: {fix}")
-
-        require(self.max_queued_items >= 1, "max_queued_items", self.max_queued_items, "use at least 1 item")
-        require(self.max_queued_cost > 0, "max_queued_cost", self.max_queued_cost, "use a positive cost (math.inf for no bound)")
+        require(self.max_queued_items >= 1, "admission.max_queued_items", self.max_queued_items, "use at least 1 item")
+        require(self.max_queued_cost > 0, "admission.max_queued_cost", self.max_queued_cost, "use a positive cost (math.inf for no bound)")
         names = [t.name for t in self.tenants]
-        require(len(set(names)) == len(names), "tenants", names, "list each tenant once")
-        require(self.rate_burst_s > 0, "rate_burst_s", self.rate_burst_s, "use a positive burst length in seconds")
-        require(0 < self.min_retry_after_s <= self.max_retry_after_s, "min_retry_after_s", self.min_retry_after_s,
+        require(len(set(names)) == len(names), "admission.tenants", names, "list each tenant once")
+        require(self.rate_burst_s > 0, "admission.rate_burst_s", self.rate_burst_s, "use a positive burst length in seconds")
+        require(0 < self.min_retry_after_s <= self.max_retry_after_s, "admission.min_retry_after_s", self.min_retry_after_s,
                 f"use 0 < min_retry_after_s <= max_retry_after_s ({self.max_retry_after_s})")
 
 

@@ -70,7 +70,12 @@ class Scheduler:
         self._running = 0
         self._seq = 0
         self._batch_seq = 0
-        self._view = CoreView(self)
+        # The view gets only what it lends the policy (view.py never imports this module).
+        self._view = CoreView(
+            queue=self._queue, resident=self._resident, inflight=self._inflight,
+            record_wait=self.metrics.queue_wait_s.record, estimate_service_s=self.service.estimate_s,
+            requeue=self._requeue, set_cost=self._set_cost,
+        )
         # Hooks the policy leaves as the base no-op are skipped on the per-item path.
         self._on_add = policy.on_add if _overrides(policy, "on_add") else None
         self._on_finish = policy.on_finish if _overrides(policy, "on_finish") else None

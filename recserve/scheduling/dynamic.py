@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from recserve.errors import ConfigError
+from recserve.errors import require
 from recserve.scheduling.policy_base import PolicyKind, register_policy
 from recserve.scheduling.slo import PeriodicP99, SloControlConfig, SloController
 from recserve.scheduling.types import Batch, Handle, ItemStatus
@@ -40,17 +40,13 @@ class DynamicBatchConfig:
     slo_control: SloControlConfig = SloControlConfig()
 
     def __post_init__(self) -> None:
-        def require(ok: bool, field: str, value: object, fix: str) -> None:
-            if not ok:
-                raise ConfigError(f"dynamic_batch.{field} = {value!r} is invalid: {fix}")
-
-        require(self.max_batch_cost > 0, "max_batch_cost", self.max_batch_cost, "use a positive cost (e.g. candidates per batch)")
-        require(0 <= self.max_wait_ms <= 1000, "max_wait_ms", self.max_wait_ms, "use 0..1000 ms")
-        require(self.slo_ms is None or self.slo_ms > 0, "slo_ms", self.slo_ms, "use a positive SLO in ms, or None to disable")
+        require(self.max_batch_cost > 0, "dynamic_batch.max_batch_cost", self.max_batch_cost, "use a positive cost (e.g. candidates per batch)")
+        require(0 <= self.max_wait_ms <= 1000, "dynamic_batch.max_wait_ms", self.max_wait_ms, "use 0..1000 ms")
+        require(self.slo_ms is None or self.slo_ms > 0, "dynamic_batch.slo_ms", self.slo_ms, "use a positive SLO in ms, or None to disable")
         require(self.target_batch_cost is None or 0 < self.target_batch_cost <= self.max_batch_cost,
-                "target_batch_cost", self.target_batch_cost, f"use 0 < target <= max_batch_cost ({self.max_batch_cost:g})")
-        require(self.rate_tau_s > 0, "rate_tau_s", self.rate_tau_s, "use a positive time constant in seconds")
-        require(self.dispatch_margin_ms >= 0, "dispatch_margin_ms", self.dispatch_margin_ms, "use >= 0 ms")
+                "dynamic_batch.target_batch_cost", self.target_batch_cost, f"use 0 < target <= max_batch_cost ({self.max_batch_cost:g})")
+        require(self.rate_tau_s > 0, "dynamic_batch.rate_tau_s", self.rate_tau_s, "use a positive time constant in seconds")
+        require(self.dispatch_margin_ms >= 0, "dynamic_batch.dispatch_margin_ms", self.dispatch_margin_ms, "use >= 0 ms")
 
 
 class DynamicBatchPolicy(WindowPolicy):

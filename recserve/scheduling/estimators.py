@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+from recserve.errors import require
+
 
 class RateEstimator:
     """Exponentially weighted arrival rate (units/s) with time constant ``tau_s``.
@@ -19,8 +21,7 @@ class RateEstimator:
     __slots__ = ("tau_s", "_acc", "_t")
 
     def __init__(self, tau_s: float) -> None:
-        if not tau_s > 0:
-            raise ValueError(f"tau_s = {tau_s!r}: use a positive time constant in seconds")
+        require(tau_s > 0, "RateEstimator.tau_s", tau_s, "use a positive time constant in seconds")
         self.tau_s = tau_s
         self._acc = 0.0
         self._t: float | None = None
@@ -63,8 +64,7 @@ class ServiceTimeEstimator:
     __slots__ = ("alpha", "initial_s", "_w", "_sx", "_sy", "_sxx", "_sxy", "count")
 
     def __init__(self, alpha: float = 0.1, initial_s: float = 0.0) -> None:
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha = {alpha!r}: use a weight in (0, 1]")
+        require(0.0 < alpha <= 1.0, "ServiceTimeEstimator.alpha", alpha, "use a weight in (0, 1]")
         self.alpha = alpha
         self.initial_s = initial_s
         self._w = self._sx = self._sy = self._sxx = self._sxy = 0.0
@@ -84,10 +84,6 @@ class ServiceTimeEstimator:
     def mean_s(self) -> float:
         """Weighted mean service time per batch (``initial_s`` before any batch)."""
         return self._sy / self._w if self.count else self.initial_s
-
-    def mean_cost(self) -> float:
-        """Weighted mean batch cost (0.0 before any batch)."""
-        return self._sx / self._w if self.count else 0.0
 
     def estimate_s(self, cost: float) -> float:
         """Expected service time of a batch of ``cost`` units, >= 0."""

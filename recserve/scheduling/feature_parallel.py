@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from recserve.errors import ConfigError
+from recserve.errors import require
 from recserve.scheduling.policy_base import PolicyKind, register_policy
 from recserve.scheduling.window import WindowPolicy
 
@@ -33,16 +33,12 @@ class FeatureParallelConfig:
     dispatch_margin_ms: float = 0.5
 
     def __post_init__(self) -> None:
-        def require(ok: bool, field: str, value: object, fix: str) -> None:
-            if not ok:
-                raise ConfigError(f"feature_parallel.{field} = {value!r} is invalid: {fix}")
-
-        require(0 <= self.window_ms <= 100, "window_ms", self.window_ms, "use 0..100 ms")
-        require(self.max_cost > 0, "max_cost", self.max_cost, "use a positive id count")
-        require(self.max_window_ms is None or 0 <= self.max_window_ms <= 100, "max_window_ms", self.max_window_ms, "use 0..100 ms")
-        require(self.target_cost is None or self.target_cost > 0, "target_cost", self.target_cost, "use a positive id count")
-        require(self.rate_tau_s > 0, "rate_tau_s", self.rate_tau_s, "use a positive time constant in seconds")
-        require(self.dispatch_margin_ms >= 0, "dispatch_margin_ms", self.dispatch_margin_ms, "use >= 0 ms")
+        require(0 <= self.window_ms <= 100, "feature_parallel.window_ms", self.window_ms, "use 0..100 ms")
+        require(self.max_cost > 0, "feature_parallel.max_cost", self.max_cost, "use a positive id count")
+        require(self.max_window_ms is None or 0 <= self.max_window_ms <= 100, "feature_parallel.max_window_ms", self.max_window_ms, "use 0..100 ms")
+        require(self.target_cost is None or self.target_cost > 0, "feature_parallel.target_cost", self.target_cost, "use a positive id count")
+        require(self.rate_tau_s > 0, "feature_parallel.rate_tau_s", self.rate_tau_s, "use a positive time constant in seconds")
+        require(self.dispatch_margin_ms >= 0, "feature_parallel.dispatch_margin_ms", self.dispatch_margin_ms, "use >= 0 ms")
 
 
 class FeatureParallelPolicy(WindowPolicy):

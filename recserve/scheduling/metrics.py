@@ -12,6 +12,8 @@ import dataclasses
 import enum
 import math
 
+from recserve.errors import require
+
 
 class DropReason(enum.Enum):
     """Why an item left without running to completion."""
@@ -38,8 +40,7 @@ class Summary:
     __slots__ = ("_buf", "_mask", "count", "total")
 
     def __init__(self, window: int = 2048) -> None:
-        if window <= 0 or window & (window - 1):
-            raise ValueError(f"window = {window!r}: use a positive power of two")
+        require(window > 0 and not window & (window - 1), "Summary.window", window, "use a positive power of two")
         self._buf = [0.0] * window
         self._mask = window - 1
         self.count = 0

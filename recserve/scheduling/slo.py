@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from recserve.errors import ConfigError
+from recserve.errors import ConfigError, require
 from recserve.scheduling.metrics import quantile
 
 
@@ -42,19 +42,15 @@ class SloControlConfig:
     min_scale: float = 0.05
 
     def __post_init__(self) -> None:
-        def require(ok: bool, field: str, value: object, fix: str) -> None:
-            if not ok:
-                raise ConfigError(f"slo_control.{field} = {value!r} is invalid: {fix}")
-
-        require(self.period_s > 0, "period_s", self.period_s, "use a positive period in seconds")
-        require(self.min_samples >= 1, "min_samples", self.min_samples, "use at least 1 sample")
-        require(0 < self.low_frac < self.high_frac <= 1.0, "low_frac", (self.low_frac, self.high_frac),
+        require(self.period_s > 0, "slo_control.period_s", self.period_s, "use a positive period in seconds")
+        require(self.min_samples >= 1, "slo_control.min_samples", self.min_samples, "use at least 1 sample")
+        require(0 < self.low_frac < self.high_frac <= 1.0, "slo_control.low_frac", (self.low_frac, self.high_frac),
                 "use 0 < low_frac < high_frac <= 1 (a deadband between them)")
-        require(0 < self.decrease_factor < 1, "decrease_factor", self.decrease_factor, "use a factor in (0, 1)")
-        require(1 < self.increase_factor <= 2, "increase_factor", self.increase_factor, "use a factor in (1, 2]")
-        require(self.up_hold_periods >= 1, "up_hold_periods", self.up_hold_periods, "use at least 1 period")
-        require(self.cooldown_periods >= 0, "cooldown_periods", self.cooldown_periods, "use >= 0 periods")
-        require(0 < self.min_scale <= 1, "min_scale", self.min_scale, "use a scale in (0, 1]")
+        require(0 < self.decrease_factor < 1, "slo_control.decrease_factor", self.decrease_factor, "use a factor in (0, 1)")
+        require(1 < self.increase_factor <= 2, "slo_control.increase_factor", self.increase_factor, "use a factor in (1, 2]")
+        require(self.up_hold_periods >= 1, "slo_control.up_hold_periods", self.up_hold_periods, "use at least 1 period")
+        require(self.cooldown_periods >= 0, "slo_control.cooldown_periods", self.cooldown_periods, "use >= 0 periods")
+        require(0 < self.min_scale <= 1, "slo_control.min_scale", self.min_scale, "use a scale in (0, 1]")
 
 
 class SloController:

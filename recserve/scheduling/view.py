@@ -6,17 +6,22 @@ batch), ``run`` (resident → batch), ``preempt`` (resident → queue), ``set_co
 transition goes through the core's own bookkeeping, so queue counts, tenant quotas and
 metrics stay consistent whatever the policy does; a policy that raises mid-select has
 its partial batch rolled back.
+
+The view never sees the :class:`~recserve.scheduling.core.Scheduler`: the core injects
+exactly what it lends — its EDF queue, its resident map and in-flight batches (shared
+containers the core never rebinds), the queue-wait metric, the service-time estimate,
+and its ``requeue`` / ``set_cost`` transitions — so this module does not import the core
+and the core's private fields stay private.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 from recserve.errors import InternalError
-from recserve.scheduling.types import Handle, ItemStatus
-
-if TYPE_CHECKING:
-    from recserve.scheduling.core import Scheduler
+from recserve.scheduling.queue import EdfQueue
+from recserve.scheduling.types import Batch, Handle, ItemStatus
 
 _QUEUED, _RUNNING, _RESIDENT = ItemStatus.QUEUED, ItemStatus.RUNNING, ItemStatus.RESIDENT
 
@@ -25,11 +30,29 @@ class CoreView:
     """The :class:`~recserve.scheduling.policy_base.SchedulerView` the core lends to its
     policy during ``select`` / ``ready_at``; collects the batch being built."""
 
-    __slots__ = ("_s", "_queue", "_now", "_flush", "_handles", "_cost", "_from_queue", "_from_resident")
+    __slots__ = (
+        "_queue", "_resident", "_inflight", "_record_wait", "_estimate_service_s", "_requeue", "_set_cost",
+        "_now", "_flush", "_handles", "_cost", "_from_queue", "_from_resident",
+    )
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self._s = scheduler
-        self._queue = scheduler._queue
+    def __init__(
+        self,
+        *,
+        queue: EdfQueue,
+        resident: dict[int, Handle],
+        inflight: Mapping[int, Batch],
+        record_wait: Callable[[float], None],
+        estimate_service_s: Callable[[float], float],
+        requeue: Callable[[Handle, float], None],
+        set_cost: Callable[[Handle, float], None],
+    ) -> None:
+        self._queue = queue
+        self._resident = resident  # seq -> handle; run() / rollback() move handles in and out
+        self._inflight = inflight  # read only: batches now running
+        self._record_wait = record_wait  # queue-wait seconds of each item taken
+        self._estimate_service_s = estimate_service_s
+        self._requeue = requeue  # (handle, now): resident -> queued, counted as a preemption
+        self._set_cost = set_cost  # (handle, cost): keeps queue cost and tenant quota in step
         self._now = 0.0
         self._flush = False
         self._handles: list[Handle] = []
@@ -57,7 +80,7 @@ class CoreView:
             handle.steps -= 1
             if id(handle) in resident:
                 handle.status = _RESIDENT
-                self._s._resident[handle.seq] = handle
+                self._resident[handle.seq] = handle
             else:
                 handle.status = _QUEUED
                 self._queue.push(handle, handle.enqueued_at)
@@ -78,22 +101,22 @@ class CoreView:
 
     @property
     def resident(self) -> Sequence[Handle]:
-        return tuple(self._s._resident.values())
+        return tuple(self._resident.values())
 
     @property
     def resident_count(self) -> int:
-        return len(self._s._resident)
+        return len(self._resident)
 
     @property
     def running(self) -> Iterator[Handle]:
-        for batch in self._s._inflight.values():
+        for batch in self._inflight.values():
             for handle in batch.handles:
                 if handle.status is _RUNNING:
                     yield handle
 
     @property
     def inflight_batches(self) -> int:
-        return len(self._s._inflight)
+        return len(self._inflight)
 
     @property
     def flush(self) -> bool:
@@ -111,7 +134,7 @@ class CoreView:
         return self._queue.earliest_deadline()
 
     def estimate_service_s(self, cost: float) -> float:
-        return self._s.service.estimate_s(cost)
+        return self._estimate_service_s(cost)
 
     def peek(self) -> Handle | None:
         return self._queue.peek()
@@ -124,7 +147,7 @@ class CoreView:
             raise InternalError("policy called take() on an empty queue") from None
         handle.status = _RUNNING
         handle.steps += 1
-        self._s.metrics.queue_wait_s.record(self._now - handle.enqueued_at)
+        self._record_wait(self._now - handle.enqueued_at)
         self._handles.append(handle)
         self._cost += handle.cost
         self._from_queue = True
@@ -136,7 +159,7 @@ class CoreView:
         taken = self._queue.pop_up_to(max_cost - self._cost, not self._handles, _RUNNING)
         if not taken:
             return 0
-        record_wait = self._s.metrics.queue_wait_s.record
+        record_wait = self._record_wait
         now = self._now
         cost = self._cost
         for handle in taken:
@@ -151,7 +174,7 @@ class CoreView:
     def run(self, handle: Handle) -> None:
         if handle.status is not _RESIDENT:
             raise InternalError(f"policy tried to run request {handle.request_id}, which is {handle.status.value}, not resident")
-        del self._s._resident[handle.seq]
+        del self._resident[handle.seq]
         handle.status = _RUNNING
         handle.steps += 1
         self._handles.append(handle)
@@ -161,12 +184,12 @@ class CoreView:
     def preempt(self, handle: Handle, state: Any = None) -> None:
         if handle.status is not _RESIDENT:
             raise InternalError(f"policy tried to preempt request {handle.request_id}, which is {handle.status.value}, not resident")
-        del self._s._resident[handle.seq]
+        del self._resident[handle.seq]
         if state is not None:
             handle.state = state
-        self._s._requeue(handle, self._now)
+        self._requeue(handle, self._now)
 
     def set_cost(self, handle: Handle, cost: float) -> None:
         if handle.status is not _QUEUED and handle.status is not _RESIDENT:
             raise InternalError(f"policy tried to change the cost of request {handle.request_id}, which is {handle.status.value}")
-        self._s._set_cost(handle, cost)
+        self._set_cost(handle, cost)

@@ -12,144 +12,36 @@ Per table the ids fall into three tiers:
 Where a hot or warm id lives also comes from the ring: its shard set is the id's ring
 owner ``o`` followed by slots ``o+1, o+2, ... (mod num_shards)``, so hot and warm
 traffic spreads evenly over every shard instead of landing on the first R. The plan is immutable;
-re-planning produces a new plan with a higher ``version``. Routing lives in
-:mod:`recserve.sharding.router`; this module holds the data and its JSON form.
+re-planning produces a new plan with a higher ``version``. One table's data
+(:class:`Tier`, :class:`TablePlan`) lives in :mod:`recserve.sharding.table_plan` and its
+routing in :mod:`recserve.sharding.router`; this module holds the whole plan, its JSON
+form and the cached router of each table. The imports run one way (table_plan <- router
+<- plan), so there is no import cycle.
 """
 
 from __future__ import annotations
 
 import base64
 import dataclasses
-import enum
 import json
 import os
 import threading
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from recserve.config.spec import DTYPES
 from recserve.errors import ConfigError, NotFound
 from recserve.sharding.ring import Ring, balanced_tokens
+from recserve.sharding.router import TableRouter
+from recserve.sharding.table_plan import TablePlan, Tier, json_field, json_int, table_plan_from_dict
 
-if TYPE_CHECKING:
-    from recserve.sharding.router import TableRouter
+__all__ = ["PLAN_FORMAT", "PLAN_FORMAT_VERSION", "ShardAssignment", "ShardingPlan", "TablePlan", "Tier"]
 
 PLAN_FORMAT = "recserve.sharding.plan"
 PLAN_FORMAT_VERSION = 1
-
-
-class Tier(enum.IntEnum):
-    HOT = 0
-    WARM = 1
-    COLD = 2
-
-
-def _sorted_id_array(values: Any, what: str) -> np.ndarray:
-    arr = np.ascontiguousarray(np.asarray(values, dtype=np.int64).reshape(-1))
-    if arr.size > 1 and not bool(np.all(arr[1:] > arr[:-1])):
-        raise ConfigError(f"{what} must be sorted ascending without repeats")
-    arr.setflags(write=False)
-    return arr
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TablePlan:
-    """Placement of one table. ``hot_ids``: int64 [H] sorted; ``warm_ids``: int64 [W]
-    sorted, disjoint from ``hot_ids``; both within ``[0, rows)``. Cold = the rest."""
-
-    name: str
-    rows: int
-    dim: int
-    hot_ids: np.ndarray
-    warm_ids: np.ndarray
-    hot_replicas: int
-    column_splits: int
-    cold_replicas: int
-    dtype: str = "float32"
-
-    def __post_init__(self) -> None:
-        f = f"sharding plan table {self.name!r}"
-        if not self.name:
-            raise ConfigError("sharding plan table name must be non-empty")
-        if self.rows < 1 or self.dim < 1:
-            raise ConfigError(f"{f}: rows ({self.rows}) and dim ({self.dim}) must be positive")
-        hot = _sorted_id_array(self.hot_ids, f"{f}: hot_ids")
-        warm = _sorted_id_array(self.warm_ids, f"{f}: warm_ids")
-        for label, arr in (("hot_ids", hot), ("warm_ids", warm)):
-            if arr.size and (arr[0] < 0 or arr[-1] >= self.rows):
-                raise ConfigError(f"{f}: {label} must lie in [0, {self.rows:,}); got {int(arr[0]):,}..{int(arr[-1]):,}")
-        if hot.size and warm.size and np.intersect1d(hot, warm, assume_unique=True).size:
-            raise ConfigError(f"{f}: an id cannot be both hot and warm")
-        if self.hot_replicas < 1 or self.cold_replicas < 1:
-            raise ConfigError(f"{f}: hot_replicas ({self.hot_replicas}) and cold_replicas ({self.cold_replicas}) must be >= 1")
-        if not 1 <= self.column_splits <= self.dim:
-            raise ConfigError(f"{f}: column_splits = {self.column_splits} must be in 1..dim ({self.dim})")
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"{f}: dtype {self.dtype!r} must be one of {DTYPES}")
-        object.__setattr__(self, "hot_ids", hot)
-        object.__setattr__(self, "warm_ids", warm)
-
-    @property
-    def num_cold(self) -> int:
-        return self.rows - int(self.hot_ids.size) - int(self.warm_ids.size)
-
-    @property
-    def max_fanout(self) -> int:
-        """Most distinct shards one id of this table can need (R, C or cold replicas)."""
-        return max(self.hot_replicas, self.column_splits, self.cold_replicas)
-
-    def col_bounds(self) -> list[tuple[int, int]]:
-        """``column_splits`` contiguous ``[start, end)`` slices covering ``[0, dim)``;
-        widths differ by at most 1 (dim=10, C=3 -> [(0, 4), (4, 7), (7, 10)])."""
-        base, extra = divmod(self.dim, self.column_splits)
-        bounds, start = [], 0
-        for k in range(self.column_splits):
-            end = start + base + (1 if k < extra else 0)
-            bounds.append((start, end))
-            start = end
-        return bounds
-
-    def slice_of(self, col_start: int, col_end: int) -> int | None:
-        """Map a wire column range to a slice index; ``0/0`` (the full row) -> None.
-
-        ``(0, dim)`` is slice 0 when ``column_splits == 1`` (the full row is the only
-        slice) and None otherwise. Raises ConfigError for a range that is not a slice."""
-        if (col_start, col_end) == (0, 0):
-            return None
-        bounds = self.col_bounds()
-        if (col_start, col_end) in bounds:
-            return bounds.index((col_start, col_end))
-        if (col_start, col_end) == (0, self.dim):
-            return None
-        raise ConfigError(f"table {self.name!r}: columns [{col_start}, {col_end}) are not a slice of the plan; slices are {bounds}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "rows": self.rows,
-            "dim": self.dim,
-            "dtype": self.dtype,
-            "hot_replicas": self.hot_replicas,
-            "column_splits": self.column_splits,
-            "cold_replicas": self.cold_replicas,
-            "hot_ids": _encode_ids(self.hot_ids),
-            "warm_ids": _encode_ids(self.warm_ids),
-        }
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, TablePlan):
-            return NotImplemented
-        return (
-            (self.name, self.rows, self.dim, self.dtype, self.hot_replicas, self.column_splits, self.cold_replicas)
-            == (other.name, other.rows, other.dim, other.dtype, other.hot_replicas, other.column_splits, other.cold_replicas)
-            and np.array_equal(self.hot_ids, other.hot_ids)
-            and np.array_equal(self.warm_ids, other.warm_ids)
-        )
-
-    __hash__ = None  # type: ignore[assignment]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -238,8 +130,6 @@ class ShardingPlan:
 
     def router(self, table: str) -> TableRouter:
         """The cached :class:`~recserve.sharding.router.TableRouter` of ``table``."""
-        from recserve.sharding.router import TableRouter  # router imports this module
-
         with self._lock:
             r = self._routers.get(table)
             if r is None:
@@ -291,22 +181,22 @@ class ShardingPlan:
         if fv != PLAN_FORMAT_VERSION:
             raise ConfigError(f"sharding plan format_version = {fv!r} is not supported; this build reads format_version {PLAN_FORMAT_VERSION}")
         try:
-            num_shards = _int(doc, "num_shards")
-            vnodes = _int(doc, "virtual_nodes")
-            raw = base64.b64decode(_get(doc, "ring_tokens", str), validate=True)
+            num_shards = json_int(doc, "num_shards")
+            vnodes = json_int(doc, "virtual_nodes")
+            raw = base64.b64decode(json_field(doc, "ring_tokens", str), validate=True)
             if len(raw) != 8 * num_shards * vnodes:
                 raise ConfigError(f"sharding plan ring_tokens holds {len(raw)} bytes; expected 8 * {num_shards} * {vnodes}")
             tokens = np.frombuffer(raw, dtype="<u8").astype(np.uint64).reshape(num_shards, vnodes)
-            tables = {name: _table_from_dict(name, td) for name, td in _get(doc, "tables", dict).items()}
-            keys = _get(doc, "shard_keys", list)
+            tables = {name: table_plan_from_dict(name, td) for name, td in json_field(doc, "tables", dict).items()}
+            keys = json_field(doc, "shard_keys", list)
             if not all(isinstance(k, int) for k in keys):
                 raise ConfigError("sharding plan shard_keys must be a list of integers")
             return cls(
-                version=_int(doc, "version"),
+                version=json_int(doc, "version"),
                 num_shards=num_shards,
                 tables=tables,
                 virtual_nodes=vnodes,
-                seed=_int(doc, "seed"),
+                seed=json_int(doc, "seed"),
                 ring_tokens=tokens,
                 shard_keys=tuple(keys),
             )
@@ -344,47 +234,3 @@ class ShardingPlan:
         )
 
     __hash__ = None  # type: ignore[assignment]
-
-
-def _encode_ids(ids: np.ndarray) -> str:
-    """Sorted int64 ids -> base64(zlib(little-endian deltas)): sorted tiers compress
-    to about a byte per id, where a JSON list costs ~8."""
-    deltas = np.diff(ids, prepend=np.int64(0)).astype("<i8")
-    return base64.b64encode(zlib.compress(deltas.tobytes(), 6)).decode("ascii")
-
-
-def _decode_ids(s: str, what: str) -> np.ndarray:
-    raw = zlib.decompress(base64.b64decode(s, validate=True))
-    if len(raw) % 8:
-        raise ConfigError(f"{what} decodes to {len(raw)} bytes, not a multiple of 8")
-    return np.cumsum(np.frombuffer(raw, dtype="<i8").astype(np.int64))
-
-
-def _get(doc: dict[str, Any], key: str, typ: type) -> Any:
-    if key not in doc:
-        raise ConfigError(f"sharding plan is missing field {key!r}")
-    v = doc[key]
-    if not isinstance(v, typ) or isinstance(v, bool):
-        raise ConfigError(f"sharding plan field {key!r} = {v!r} has the wrong type; expected {typ.__name__}")
-    return v
-
-
-def _int(doc: dict[str, Any], key: str) -> int:
-    v: int = _get(doc, key, int)
-    return v
-
-
-def _table_from_dict(name: str, td: Any) -> TablePlan:
-    if not isinstance(td, dict):
-        raise ConfigError(f"sharding plan table {name!r} should be a JSON object")
-    return TablePlan(
-        name=name,
-        rows=_int(td, "rows"),
-        dim=_int(td, "dim"),
-        dtype=_get(td, "dtype", str),
-        hot_ids=_decode_ids(_get(td, "hot_ids", str), f"table {name!r} hot_ids"),
-        warm_ids=_decode_ids(_get(td, "warm_ids", str), f"table {name!r} warm_ids"),
-        hot_replicas=_int(td, "hot_replicas"),
-        column_splits=_int(td, "column_splits"),
-        cold_replicas=_int(td, "cold_replicas"),
-    )

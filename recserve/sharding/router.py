@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from recserve.errors import InvalidArgument, NotFound
-from recserve.sharding.plan import TablePlan, Tier
+from recserve.sharding.table_plan import TablePlan, Tier
 from recserve.sharding.ring import Ring, hash_ids, table_salt
 
 DENSE_MAP_MAX_ROWS = 50_000_000
@@ -78,7 +78,6 @@ class TableRouter:
         self._warm_tab = self._tier_table(slots[:, : table.column_splits], Tier.WARM)
         self._cold_tab = self._tier_table(ring.successors(table.cold_replicas), Tier.COLD)
         self._tier_lut = np.repeat(np.array([Tier.HOT, Tier.WARM, Tier.COLD], dtype=np.uint8), n_pos)
-        self._owner_lut = np.tile(ring.owners, 3)
         self._code_dtype: Any = np.uint16 if 3 * n_pos <= (1 << 16) else np.uint32
         self._codes: np.ndarray | None = None
         self._packed_tiers: np.ndarray | None = None
@@ -176,10 +175,6 @@ class TableRouter:
         if self.dense:
             return np.take(self._tier_lut, self._codes_of(v))
         return self._sparse_tiers(v)
-
-    def primary_of(self, ids: Any) -> np.ndarray:
-        """int32 [N]: the ring owner of each id, whatever its tier (re-plan accounting)."""
-        return np.take(self._owner_lut, self._codes_of(self.validate_ids(ids)))
 
     def hot_replicas_of(self, ids: Any) -> np.ndarray:
         """int32 [N, R]: the R distinct shards holding each hot id; rows of non-hot ids are -1."""

@@ -20,13 +20,13 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recserve.cluster.shards import ShardCluster
-from recserve.config.spec import LookupConfig, ShardServerConfig
+from recserve.config.spec import ClusterConfig, LookupConfig, ShardServerConfig
 from recserve.lookup.client import LookupClient
 from recserve.lookup.config import LookupClientConfig
 from recserve.lookup.types import LookupResult
 from recserve.sharding.plan import ShardingPlan, Tier
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
-from tests.unit.test_lookup_client import item_kjt, lost_count
+from tests.unit.test_lookup_client import item_kjt, lost_count, lost_mask
 from tests.unit.test_lookup_fakes import FEATURES, TABLES, make_config, make_plan, make_weights, tier_ids
 from tests.unit.test_lookup_oracle import ebc_pooled, make_ebc, random_kjt
 
@@ -51,6 +51,23 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     np.savez(root / "weights.npz", **weights)  # type: ignore[arg-type]
     server = ShardServerConfig(threads=1, row_cache_bytes=1 << 20)
     with ShardCluster(root / "plan.json", root / "data", load_from=root / "weights.npz", fault_hook=True, server=server) as cluster:
+        yield Env(cluster, plan, freq, weights)
+
+
+# A small per-RPC id limit, so ordinary windows exceed it (the default is 262,144).
+SMALL_MAX_IDS = 32
+
+
+@pytest.fixture(scope="module")
+def small_limit_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """The same plan and weights on shards that accept at most SMALL_MAX_IDS ids per RPC."""
+    root: Path = tmp_path_factory.mktemp("lookup-small-rpc")
+    plan, freq = make_plan()
+    plan.save(root / "plan.json")
+    weights = make_weights()
+    np.savez(root / "weights.npz", **weights)  # type: ignore[arg-type]
+    server = ShardServerConfig(threads=1, row_cache_bytes=1 << 20, max_ids_per_rpc=SMALL_MAX_IDS)
+    with ShardCluster(root / "plan.json", root / "data", load_from=root / "weights.npz", server=server) as cluster:
         yield Env(cluster, plan, freq, weights)
 
 
@@ -184,6 +201,7 @@ def test_delayed_shard_is_hedged_to_a_replica_within_deadline_and_budget(env: En
         return out, took, sent - primaries, primaries
 
     client, (results, took, hedges, primaries) = with_client(env, body, cfg)
+    print("DBG", [(r.missing, round(x, 3)) for r, x in zip(results, took)], client.stats)
     assert all(not r.degraded for r in results)  # every hot row came from a replica in time
     assert max(took) < deadline_s + 0.5  # resolved by its deadline (plus wake-up slack), long before the primary's delay
     assert hedges >= 1
@@ -221,6 +239,64 @@ def test_killed_shard_serves_replicas_and_flags_the_rest(env: Env) -> None:
         hot = r.tier_of(ids) == Tier.HOT
         np.testing.assert_array_equal(rows[hot], env.weights[t][ids[hot]])  # replicated: served
     assert sum(r.missing for r in results) > 0
+
+
+def test_partial_pooling_with_a_killed_slice_shard_leaves_half_arrived_warm_rows_out(env: Env) -> None:
+    # Oracle: TorchRec on the source weights with every row that cannot arrive (no live
+    # owner: a warm row with a slice on the dead shard, a cold row it owns) set to the
+    # default row; partial pooling's stated tolerance.
+    dead = 2
+    inputs = kjts(env, 12, seed=17)
+    table_of = {f.name: f.table for f in FEATURES}
+    wide = np.concatenate([k.to_dict()["wide_tag"].values().numpy() for k in inputs])
+    half = (env.plan.router("wide").tier_of(wide) == Tier.WARM) & lost_mask(env.plan, "wide", wide, {dead})
+    assert half.sum() >= 3  # warm rows with one slice on the dead shard, one on a live shard
+    lost = {t.name: lost_mask(env.plan, t.name, np.arange(t.rows), {dead}) for t in TABLES}
+    ebc = make_ebc(TABLES, FEATURES, {t: np.where(lost[t][:, None], np.float32(0), w) for t, w in env.weights.items()})
+    env.cluster.kill(dead)
+    try:
+        # A new client: its breakers are closed, so the first window sends to the dead shard.
+        client, results = with_client(env, lambda c: asyncio.gather(*(c.lookup(k, pooled=True, timeout_s=5) for k in inputs)), make_config(partial_pooling=True))
+    finally:
+        env.cluster.restart(dead)
+    assert client.stats.rpc_errors >= 1  # the dead shard was tried
+    for kjt, res in zip(inputs, results):
+        assert res.pooled is not None
+        assert res.missing == sum(lost_count(env.plan, table_of[key], jt.values().numpy(), {dead}) for key, jt in kjt.to_dict().items())
+        want = ebc_pooled(ebc, kjt)
+        for key in kjt.keys():
+            torch.testing.assert_close(res.pooled.to_dict()[key], want[key], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["rows", "partial_pooling"])
+def test_windows_over_the_shards_max_ids_per_rpc_are_chunked_on_real_shards(small_limit_env: Env, partial: bool) -> None:
+    env = small_limit_env
+    inputs = kjts(env, 16, seed=18)
+    # The client learns the limit from the cluster spec the shards were started with.
+    spec = ClusterConfig(tables=TABLES, features=FEATURES, shard_server=env.cluster.server)
+    config = LookupClientConfig.from_cluster(spec, partial_pooling=partial)
+    assert config.max_ids_per_rpc == SMALL_MAX_IDS
+    before = shard_info(env)
+    client, results = with_client(env, lambda c: asyncio.gather(*(c.lookup(k, pooled=True, timeout_s=5) for k in inputs)), config)
+    after = shard_info(env)
+    rpcs_delta = np.array([b.rpcs for b in after]) - np.array([b.rpcs for b in before])
+    errors_delta = np.array([b.errors for b in after]) - np.array([b.errors for b in before])
+    ids_delta = np.array([b.ids_requested for b in after]) - np.array([b.ids_requested for b in before])
+    s = client.stats
+    assert errors_delta.sum() == 0 and s.rpc_errors == 0  # no RPC over the limit (RESOURCE_EXHAUSTED)
+    assert rpcs_delta.sum() == s.rpcs_primary + s.rpcs_hedge
+    assert (rpcs_delta > s.windows).any()  # several RPCs to one shard per window
+    assert ids_delta.sum() / rpcs_delta.sum() <= SMALL_MAX_IDS
+    ebc = make_ebc(TABLES, FEATURES, env.weights)
+    for kjt, res in zip(inputs, results):
+        assert res.pooled is not None and not res.degraded
+        want = ebc_pooled(ebc, kjt)
+        for key in kjt.keys():
+            got = res.pooled.to_dict()[key]
+            if partial or key == "user_id":  # partial sums / mean: the stated tolerance
+                torch.testing.assert_close(got, want[key], rtol=1e-5, atol=1e-5)
+            else:  # fp32 sum of rows: exact
+                assert torch.equal(got, want[key]), key
 
 
 def test_hot_upsert_visible_through_near_cache_within_bound(env: Env) -> None:

@@ -15,10 +15,9 @@ from embedding_server.layout import layouts_from_plan
 from embedding_server.quant import RowDType
 from embedding_server.shard import ShardCore
 from embedding_server.store import RowStore
-from embedding_server.tiers import TierKind
 from recserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from recserve.rpc.tensors import pack, unpack
-from recserve.sharding.plan import ShardingPlan, TablePlan
+from recserve.sharding.plan import ShardingPlan, TablePlan, Tier
 from recserve.v1 import common_pb2, embedding_pb2
 
 ROWS, DIM, SHARD = 1500, 10, 1
@@ -74,7 +73,7 @@ def test_full_row_lookup_serves_hot_and_cold_exactly(core: ShardCore) -> None:
     # Warm ids hold only a slice here: a full-row request cannot be served by this shard.
     assert assert_subset_equal(not_owned, np.setdiff1d(ids, full))
     assert not rows[not_owned].any() and not rows[UNLOADED].any()
-    assert outcome.served == {TierKind.HOT: len(layout.hot_ids), TierKind.WARM: 0, TierKind.COLD: len(layout.cold_ids) - 1}
+    assert outcome.served == {Tier.HOT: len(layout.hot_ids), Tier.WARM: 0, Tier.COLD: len(layout.cold_ids) - 1}
     assert outcome.missing == 1 and outcome.not_owned == ROWS - len(full)
 
 

@@ -16,7 +16,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recserve.config.spec import LookupConfig
-from recserve.errors import InvalidArgument
+from recserve.errors import DeadlineExceeded, InvalidArgument
 from recserve.lookup.client import LookupClient
 from recserve.lookup.types import LookupResult
 from recserve.sharding.plan import ShardingPlan, Tier
@@ -41,15 +41,21 @@ def item_kjt(ids: np.ndarray, feature: str = "item_id") -> KeyedJaggedTensor:
     return KeyedJaggedTensor(keys=[feature], values=torch.from_numpy(np.array(ids, np.int64)), lengths=torch.tensor([len(ids)]))
 
 
-def lost_count(plan: ShardingPlan, table: str, ids: np.ndarray, dead: set[int]) -> int:
-    """How many of ``ids`` (with repeats) have no live owner under ``plan``."""
+def lost_mask(plan: ShardingPlan, table: str, ids: np.ndarray, dead: set[int]) -> np.ndarray:
+    """bool [len(ids)]: ids with no live owner under ``plan`` when ``dead`` are down
+    (hot: every replica; warm: any column slice; cold: every ring owner)."""
     r = plan.router(table)
     d = np.array(sorted(dead))
     tiers = r.tier_of(ids)
     hot = np.isin(r.hot_replicas_of(ids), d).all(axis=1) & (tiers == Tier.HOT)
     warm = np.isin(r.warm_shards_of(ids), d).any(axis=1) & (tiers == Tier.WARM)
     cold = np.isin(r.cold_owners_of(ids), d).all(axis=1) & (tiers == Tier.COLD)
-    return int((hot | warm | cold).sum())
+    return np.asarray(hot | warm | cold)
+
+
+def lost_count(plan: ShardingPlan, table: str, ids: np.ndarray, dead: set[int]) -> int:
+    """How many of ``ids`` (with repeats) have no live owner under ``plan``."""
+    return int(lost_mask(plan, table, ids, dead).sum())
 
 
 def test_concurrent_callers_share_one_window_and_one_rpc_per_shard() -> None:
@@ -260,29 +266,35 @@ def test_a_tight_deadline_closes_a_long_window_early() -> None:
     assert not res.degraded
 
 
-def test_a_caller_whose_deadline_passes_in_the_queue_gets_default_rows() -> None:
+def test_a_caller_whose_deadline_passes_in_the_queue_fails_with_deadline_exceeded() -> None:
     plan, _ = make_plan()
     fake = FakeShards(plan, make_weights())
     # One window slot, held by a caller blocked on shard 2; the next caller waits in the
-    # queue past its deadline and gets default rows (degraded), not an exception.
+    # queue past its deadline: the scheduler drops it with DEADLINE_EXCEEDED (no window
+    # ever takes it), and the window slot's caller is unaffected.
     cfg = make_config(lookup=LookupConfig(max_inflight_batches=1))
     client = LookupClient(cfg, plan, fake)
     cold = tier_ids(plan, "item", Tier.COLD)
     on2 = cold[plan.router("item").cold_owners_of(cold)[:, 0] == 2][:3]
 
-    async def body() -> tuple[LookupResult, LookupResult]:
+    async def body() -> tuple[LookupResult, BaseException | None]:
         fake.set_blocked(2)
         first = asyncio.ensure_future(client.lookup(item_kjt(on2), pooled=True, timeout_s=5.0))
         while client.stats.windows < 1:
             await asyncio.sleep(0)
-        late = await client.lookup(item_kjt(np.array([1, 2, 2])), pooled=True, timeout_s=0.05)
+        error: BaseException | None = None
+        try:
+            await client.lookup(item_kjt(np.array([1, 2, 2])), pooled=True, timeout_s=0.05)
+        except DeadlineExceeded as e:
+            error = e
         fake.release(2)
-        return await first, late
+        return await first, error
 
-    first, late = run(client, body)
+    first, error = run(client, body)
     assert not first.degraded
-    assert late.missing == 3 and late.degraded and late.pooled is not None
-    assert bool((late.pooled["item_id"] == 0).all())
+    assert isinstance(error, DeadlineExceeded)
+    assert client.stats.windows == 1  # the late caller never reached a window
+    assert client.scheduler.stats().drops["deadline"] == 1  # dropped in the queue, by the scheduler
 
 
 def test_windows_run_concurrently_and_rpcs_carry_their_callers_latest_deadline() -> None:

@@ -4,7 +4,7 @@
 from per-shard copies of source weight arrays, honouring the plan: a shard answers only
 ids it owns (others flagged ``not_owned``), warm ids only for the slice it holds. State
 is set explicitly: ``set_down``, ``set_error``, ``set_blocked`` / ``release``,
-``set_plan``, ``set_missing``. It records every request so tests can count RPCs per
+``set_plan``, ``set_missing``, ``set_max_ids``. It records every request so tests can count RPCs per
 shard and see which ids went where. The tests at the bottom check the fake itself
 against the plan, so the client's tests stand on a fake that honours the contract.
 """
@@ -22,7 +22,8 @@ import torch
 
 from recserve.config.spec import FeatureConfig, LookupConfig, ShardingConfig, TableConfig
 from recserve.lookup.config import LookupClientConfig
-from recserve.lookup.transport import ShardCallError
+from recserve.errors import InvalidArgument, Unavailable
+from recserve.lookup.transport import shard_call_error
 from recserve.rpc.tensors import pack, unpack
 from recserve.sharding.plan import ShardingPlan, Tier
 from recserve.sharding.planner import plan_tables
@@ -37,6 +38,11 @@ class Recorded:
     def ids(self, table: str) -> np.ndarray:
         parts = [unpack(t.ids, "ids") for t in self.request.tables if t.table == table]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+    @property
+    def n_ids(self) -> int:
+        """Ids in the request, over all its tables."""
+        return sum(len(t.ids.data) // 8 for t in self.request.tables)
 
 
 class FakeShards:
@@ -54,6 +60,7 @@ class FakeShards:
         self.upserts: list[tuple[int, embedding_pb2.UpsertRequest]] = []
         self.plan_gets = 0
         self.closed = False
+        self.max_ids: int | None = None
 
     # ---- explicit state setters ----------------------------------------------------
     def set_down(self, shard: int, down: bool = True) -> None:
@@ -78,6 +85,11 @@ class FakeShards:
         """The plan the shards now serve (and report in replies / GetPlan)."""
         self.plan = plan
 
+    def set_max_ids(self, n: int | None) -> None:
+        """Answer RESOURCE_EXHAUSTED to lookups of more than ``n`` ids, as a real shard
+        does above its ``max_ids_per_rpc`` (None: no limit)."""
+        self.max_ids = n
+
     def set_missing(self, table: str, ids: np.ndarray) -> None:
         """These ids are not stored anywhere (answered with the default row, found=0)."""
         for s in range(len(self.stored)):
@@ -97,20 +109,23 @@ class FakeShards:
 
     def _check(self, shard: int) -> None:
         if self.down[shard]:
-            raise ShardCallError(shard, grpc.StatusCode.UNAVAILABLE, "connection refused (fake)")
+            raise shard_call_error(shard, grpc.StatusCode.UNAVAILABLE, "connection refused (fake)")
         code = self.errors.get(shard)
         if code is not None:
-            raise ShardCallError(shard, code, "injected (fake)")
+            raise shard_call_error(shard, code, "injected (fake)")
 
     async def lookup(self, shard: int, request: embedding_pb2.LookupRequest, timeout_s: float) -> embedding_pb2.LookupResponse:
         self.calls.append(Recorded(shard, request))
         self._check(shard)
+        n_ids = self.calls[-1].n_ids
+        if self.max_ids is not None and n_ids > self.max_ids:
+            raise shard_call_error(shard, grpc.StatusCode.RESOURCE_EXHAUSTED, f"LookupRequest carries {n_ids:,} ids; max_ids_per_rpc = {self.max_ids:,} (fake)")
         gate = self.gates.get(shard)
         if gate is not None:
             try:
                 await asyncio.wait_for(gate.wait(), timeout_s)
             except asyncio.TimeoutError:
-                raise ShardCallError(shard, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline (fake)") from None
+                raise shard_call_error(shard, grpc.StatusCode.DEADLINE_EXCEEDED, "deadline (fake)") from None
         out = []
         for t in request.tables:
             plan = self.plan.table(t.table)
@@ -158,7 +173,7 @@ class FakeShards:
             k = plan.slice_of(t.col_start, t.col_end)
             owned = self.plan.router(t.table).owns(shard, ids, k)
             if not owned.all():
-                raise ShardCallError(shard, grpc.StatusCode.FAILED_PRECONDITION, f"ids {ids[~owned].tolist()} not owned")
+                raise shard_call_error(shard, grpc.StatusCode.FAILED_PRECONDITION, f"ids {ids[~owned].tolist()} not owned")
             a, b = (0, plan.dim) if (t.col_start, t.col_end) == (0, 0) else (t.col_start, t.col_end)
             self.store[shard][t.table][ids, a:b] = rows
             self.stored[shard][t.table][ids] = True
@@ -278,11 +293,9 @@ def test_fake_state_setters_fail_calls() -> None:
     plan, _ = make_plan()
     fake = FakeShards(plan, make_weights())
     fake.set_down(1)
-    with pytest.raises(ShardCallError) as e:
+    with pytest.raises(Unavailable, match="shard 1: UNAVAILABLE"):
         asyncio.run(fake.lookup(1, _lookup_req("item", np.array([1])), 1.0))
-    assert e.value.code == grpc.StatusCode.UNAVAILABLE
     fake.set_down(1, False)
     fake.set_error(1, grpc.StatusCode.INVALID_ARGUMENT)
-    with pytest.raises(ShardCallError) as e:
+    with pytest.raises(InvalidArgument, match="shard 1: INVALID_ARGUMENT"):
         asyncio.run(fake.lookup(1, _lookup_req("item", np.array([1])), 1.0))
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT

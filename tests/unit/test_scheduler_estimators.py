@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 
+from recserve.errors import ConfigError
 from recserve.scheduling.estimators import RateEstimator, ServiceTimeEstimator
+from recserve.scheduling.metrics import Summary
 
 
 def test_rate_estimator_converges_to_a_poisson_rate_and_decays_when_idle() -> None:
@@ -40,3 +43,19 @@ def test_service_estimator_with_one_batch_size_errs_long_for_bigger_batches() ->
     assert est.estimate_s(64) == pytest.approx(0.004)
     assert est.estimate_s(8) == pytest.approx(0.004)  # the fixed part is unknown: not less
     assert est.estimate_s(128) == pytest.approx(0.008)  # scaled up, never down
+
+
+@pytest.mark.parametrize(
+    ("build", "field"),
+    [
+        (lambda: RateEstimator(tau_s=0.0), "RateEstimator.tau_s = 0.0"),
+        (lambda: RateEstimator(tau_s=math.nan), "RateEstimator.tau_s = nan"),
+        (lambda: ServiceTimeEstimator(alpha=1.5), "ServiceTimeEstimator.alpha = 1.5"),
+        (lambda: Summary(window=1000), "Summary.window = 1000"),
+    ],
+)
+def test_bad_estimator_and_summary_arguments_raise_config_errors_naming_the_field(build: Callable[[], object], field: str) -> None:
+    # One error hierarchy: a bad argument is a RecserveError (ConfigError), not a bare ValueError.
+    with pytest.raises(ConfigError) as info:
+        build()
+    assert info.value.message.startswith(field)

@@ -13,8 +13,8 @@ import numpy as np
 from embedding_server.fault import FaultInjector
 from embedding_server.service import EmbeddingShardService
 from embedding_server.shard import LookupOutcome
-from embedding_server.tiers import TierKind
 from recserve.rpc.tensors import pack
+from recserve.sharding.plan import Tier
 from recserve.v1 import embedding_pb2
 
 
@@ -45,7 +45,7 @@ class GatedCore:
             if np.frombuffer(request.tables[0].ids.data, "<i8")[0] == 0:
                 self.entered.set()
                 assert self.gate.wait(10.0)
-            return LookupOutcome(embedding_pb2.LookupResponse(), 0, {k: 0 for k in TierKind}, 0, 0)
+            return LookupOutcome(embedding_pb2.LookupResponse(), 0, {k: 0 for k in Tier}, 0, 0)
         finally:
             with self._lock:
                 self.active -= 1

@@ -1,0 +1,205 @@
+"""The decode engine: the batch runner of a continuous-batching scheduler.
+
+:class:`DecodeEngine` runs one scheduler :class:`~recserve.scheduling.Batch` as one
+model step and answers one outcome per sequence:
+
+- ``Continue(partial_output=token, new_cost=tokens held)`` — a token was generated and
+  streams to the caller; ``Continue()`` — a prefill chunk that has not reached the end;
+- ``Done(generated)`` — [G] int64 tokens, at the stop token, ``max_new_tokens`` or
+  ``stop_after``;
+- ``Failed(InternalError)`` — this sequence's logits are not finite (a NaN); the rest of
+  the batch goes on.
+
+It reads what to compute from each handle's :class:`~generation.blocks.BlockTable`
+(filled in by the policy's ``select``), builds the flat step with array operations (no
+per-token Python), makes the policy's copy-on-write copies, then runs
+:meth:`TinyDecoder.forward_paged`. The runner signature ``run_batch(batch) -> outcomes``
+is what :class:`~recserve.scheduling.ServingLoop` takes (as an executor function).
+
+:func:`build` assembles model, pool, policy and :class:`~recserve.scheduling.Scheduler`
+from a :class:`GenerationConfig`; :func:`run_step` is the synchronous driver tests and
+benchmarks use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from recserve.errors import InternalError, InvalidArgument
+from recserve.scheduling import (
+    AdmissionConfig, Batch, Continue, Done, Failed, Handle, Outcome, Priority, Scheduler, WorkItem, make_policy,
+    PolicyKind,
+)
+
+from generation import policy as policy_module
+from generation.config import GenerationConfig
+from generation.kv_cache import PagedKvCache
+from generation.model import AttnGroup, PagedStep, TinyDecoder, resolve_device
+from generation.types import GenerationRequest, SequenceState
+
+
+class DecodeEngine:
+    """Runs continuous-batching steps of ``model`` over ``cache`` (see the module doc)."""
+
+    def __init__(self, model: TinyDecoder, cache: PagedKvCache) -> None:
+        self.model = model.eval()
+        self.cache = cache
+        self.device = cache.k.device
+        self.block_tokens = cache.block_tokens
+        self.max_seq_len = model.config.max_seq_len
+        self.steps = 0
+        self.tokens_computed = 0  # prompt + decode tokens through the model
+
+    def item(
+        self, request_id: str, request: GenerationRequest, *, tenant: str = "default",
+        priority: Priority = Priority.STANDARD, deadline: float = math.inf,
+    ) -> WorkItem:
+        """The scheduler item for ``request``; cost = tokens held (the prompt, at first)."""
+        total = request.prompt_len + request.max_new_tokens
+        if total > self.max_seq_len:
+            raise InvalidArgument(
+                f"request {request_id}: prompt {request.prompt_len} + max_new_tokens {request.max_new_tokens} = {total} tokens "
+                f"exceeds the model's {self.max_seq_len} positions"
+            )
+        return WorkItem(request_id, tenant, priority, deadline, float(request.prompt_len), request)
+
+    def run_batch(self, batch: Batch) -> list[Outcome]:
+        """One model step for every sequence of ``batch`` -> one outcome each."""
+        handles = batch.handles
+        step, sampled, states = self._build_step(handles)
+        with torch.inference_mode():
+            self.cache.copy_blocks([pair for h in handles for pair in h.policy_data.copies])
+            logits = self.model.forward_paged(step, self.cache)
+            finite = torch.isfinite(logits).all(dim=1).cpu().numpy()
+            next_tokens = logits.argmax(dim=1).cpu().numpy()
+        self.steps += 1
+        self.tokens_computed += int(step.tokens.shape[0])
+        outcomes: list[Outcome] = []
+        row = 0
+        for h, state, samples in zip(handles, states, sampled):  # one outcome per sequence
+            if not samples:
+                outcomes.append(Continue())
+                continue
+            ok, token = bool(finite[row]), int(next_tokens[row])
+            row += 1
+            if not ok:
+                outcomes.append(Failed(InternalError(
+                    f"request {h.request_id}: the model produced non-finite logits at position {state.length - 1} "
+                    f"after {state.length - state.prompt_len} generated tokens; this sequence stops, the batch goes on"
+                )))
+                continue
+            outcomes.append(self._emit(h, state, token))
+        return outcomes
+
+    @staticmethod
+    def _emit(h: Handle, state: SequenceState, token: int) -> Outcome:
+        request: GenerationRequest = h.item.payload
+        state.tokens[state.length] = token
+        state.length += 1
+        generated = state.length - state.prompt_len
+        if (generated >= request.max_new_tokens or token == request.stop_token
+                or (request.stop_after is not None and generated >= request.stop_after)):
+            return Done(state.generated.copy())
+        return Continue(partial_output=token, new_cost=float(state.length))
+
+    def _build_step(self, handles: tuple[Handle, ...]) -> tuple[PagedStep, np.ndarray, list[SequenceState]]:
+        """Flat step tensors from the handles' block tables; also which sequences sample
+        ([S] bool) and their states."""
+        s = len(handles)
+        starts = np.empty(s, dtype=np.int64)
+        lens = np.empty(s, dtype=np.int64)
+        known = np.empty(s, dtype=np.int64)
+        widths = np.empty(s, dtype=np.int64)
+        states: list[SequenceState] = []
+        chunks: list[np.ndarray] = []
+        tables: list[list[int]] = []
+        for i, h in enumerate(handles):  # per sequence: gather its metadata
+            state = h.state
+            if state is None:
+                state = h.state = SequenceState.start(h.item.payload)
+            table = h.policy_data
+            start, n = table.computed, table.step_tokens
+            if n < 1 or start + n > state.length:
+                raise InternalError(f"request {h.request_id}: step plans tokens {start}..{start + n} of {state.length} known")
+            starts[i], lens[i], known[i], widths[i] = start, n, state.length, len(table.blocks)
+            states.append(state)
+            chunks.append(state.tokens[start : start + n])
+            tables.append(table.blocks)
+        bt = self.block_tokens
+        table_mat = np.zeros((s, int(widths.max())), dtype=np.int64)
+        for i, blocks in enumerate(tables):
+            table_mat[i, : len(blocks)] = blocks
+        tokens = np.concatenate(chunks)
+        first = np.cumsum(lens) - lens  # flat row of each sequence's first token
+        seq_of = np.repeat(np.arange(s), lens)
+        positions = np.repeat(starts, lens) + (np.arange(tokens.shape[0]) - np.repeat(first, lens))
+        write_slots = table_mat[seq_of, positions // bt] * bt + positions % bt
+        ctx = starts + lens
+        sampled = ctx == known
+        groups = tuple(
+            self._group(idx, starts, lens, ctx, first, table_mat)
+            for idx in (np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)) if idx.size
+        )
+        dev = self.device
+        step = PagedStep(
+            tokens=torch.from_numpy(tokens).to(dev), positions=torch.from_numpy(positions).to(dev),
+            write_slots=torch.from_numpy(write_slots).to(dev), groups=groups,
+            sample_index=torch.from_numpy((first + lens - 1)[sampled]).to(dev),
+        )
+        return step, sampled, states
+
+    def _group(self, idx: np.ndarray, starts: np.ndarray, lens: np.ndarray, ctx: np.ndarray, first: np.ndarray, table_mat: np.ndarray) -> AttnGroup:
+        """Padded attention inputs for sequences ``idx`` (see :class:`AttnGroup`)."""
+        bt = self.block_tokens
+        q_w, c_w = int(lens[idx].max()), int(ctx[idx].max())
+        qi = np.arange(q_w)
+        q_valid = qi[None, :] < lens[idx, None]
+        q_index = np.where(q_valid, first[idx, None] + qi[None, :], 0)
+        q_pos = np.where(q_valid, starts[idx, None] + qi[None, :], 0)  # padding attends key 0 only
+        key_pos = np.arange(c_w)
+        ctx_valid = key_pos[None, :] < ctx[idx, None]
+        slots = table_mat[idx][:, np.minimum(key_pos // bt, table_mat.shape[1] - 1)] * bt + key_pos % bt
+        ctx_slots = np.where(ctx_valid, slots, 0)
+        mask = ctx_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])
+        dev = self.device
+
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
+
+        return AttnGroup(q_index=t(q_index), q_valid=t(q_valid), ctx_slots=t(ctx_slots), ctx_valid=t(ctx_valid), mask=t(mask))
+
+
+def build(
+    config: GenerationConfig, model: TinyDecoder | None = None, *, admission: AdmissionConfig = AdmissionConfig(),
+    seed: int = 0,
+) -> tuple[Scheduler, DecodeEngine]:
+    """Model (random-init from ``seed`` unless given), pool, the registered
+    ``PolicyKind.CONTINUOUS`` policy and a scheduler core around it."""
+    device = resolve_device(config.device)
+    if model is None:
+        torch.manual_seed(seed)
+        model = TinyDecoder(config.model)
+    model = model.to(device)
+    cache = PagedKvCache(model.config, config.batching.kv, dtype=model.dtype, device=device)
+    policy_module.register()
+    policy = make_policy(PolicyKind.CONTINUOUS, config.batching)
+    return Scheduler(policy, admission), DecodeEngine(model, cache)
+
+
+def run_step(scheduler: Scheduler, engine: DecodeEngine, now: float, *, done_at: float | None = None) -> Batch | None:
+    """Form one step at ``now``, run it, complete it at ``done_at`` (default ``now``).
+    Returns the batch, or None when the policy formed none."""
+    batch = scheduler.schedule(now)
+    if batch is None:
+        return None
+    try:
+        outcomes: Any = engine.run_batch(batch)
+    except BaseException as exc:
+        scheduler.fail(batch, exc, now if done_at is None else done_at)
+        raise
+    scheduler.complete(batch, outcomes, now if done_at is None else done_at)
+    return batch

@@ -1,0 +1,44 @@
+"""The physical paged KV pool: one preallocated tensor pair for every layer.
+
+``k`` and ``v`` are [L, num_blocks × block_tokens, H, Dh] in the model's dtype on its
+device; token ``p`` of a sequence lives at slot ``blocks[p // B] * B + p % B`` of its
+:class:`~generation.blocks.BlockTable`. Which block belongs to whom is decided by
+:class:`~generation.blocks.BlockPool` (no torch); this class only holds bytes and copies
+blocks for copy-on-write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from generation.config import KvCacheConfig, ModelConfig
+
+
+class PagedKvCache:
+    """Preallocated K/V for ``kv.num_blocks`` blocks of ``kv.block_tokens`` tokens."""
+
+    def __init__(self, model: ModelConfig, kv: KvCacheConfig, *, dtype: torch.dtype, device: torch.device) -> None:
+        self.block_tokens = kv.block_tokens
+        self.num_blocks = kv.num_blocks
+        shape = (model.n_layers, kv.num_blocks * kv.block_tokens, model.n_heads, model.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        """[n] block ids -> [n × B] slot ids, block by block."""
+        offsets = torch.arange(self.block_tokens, device=blocks.device)
+        return (blocks[:, None] * self.block_tokens + offsets[None, :]).reshape(-1)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: K/V of block ``src`` into ``dst`` for every (src, dst), before
+        the step that writes into ``dst``."""
+        if not pairs:
+            return
+        ids = torch.tensor(pairs, dtype=torch.int64, device=self.k.device)
+        src, dst = self.block_slots(ids[:, 0]), self.block_slots(ids[:, 1])
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]

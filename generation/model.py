@@ -1,0 +1,181 @@
+"""A small decoder-only transformer in plain torch, with two forward paths:
+
+- :meth:`TinyDecoder.forward` — full causal attention over ``[B, T]`` tokens (training,
+  and the naive full-recompute oracle);
+- :meth:`TinyDecoder.forward_paged` — one continuous-batching step: the tokens of many
+  sequences packed flat (decode tokens and prefill chunks together), whose K/V are
+  written to and read from the paged pool through each sequence's block table.
+
+Both paths share every weight and the attention arithmetic (:func:`attend`), so greedy
+decoding through the paged path equals full recompute token for token (in float64; see
+``tests/unit/test_generation_oracle.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from generation.config import ModelConfig
+
+TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    """``auto`` = CUDA when available, else CPU (the rankers' switch)."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked softmax attention. ``q`` [G, Q, H, Dh], ``k``/``v`` [G, C, H, Dh], ``mask``
+    [G, Q, C] bool (True = attend; every query row must allow at least one key) ->
+    [G, Q, H, Dh]."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.einsum("gqhd,gchd->ghqc", q, k) * scale
+    scores = scores.masked_fill(~mask[:, None, :, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("ghqc,gchd->gqhd", probs, v)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttnGroup:
+    """Sequences of one step attended together, padded to ``Q`` queries and ``C`` keys.
+
+    ``q_index`` [G, Q] int64: rows of the step's flat tokens (padding points at row 0);
+    ``q_valid`` [G, Q] bool; ``ctx_slots`` [G, C] int64: pool slots of each sequence's
+    keys 0..C-1 (padding points at slot 0); ``ctx_valid`` [G, C] bool; ``mask`` [G, Q, C]
+    bool: key position <= query position and inside the sequence."""
+
+    q_index: torch.Tensor
+    q_valid: torch.Tensor
+    ctx_slots: torch.Tensor
+    ctx_valid: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PagedStep:
+    """One step's inputs (built by :class:`generation.engine.DecodeEngine`). N tokens flat:
+    ``tokens`` [N], ``positions`` [N], ``write_slots`` [N] (pool slot each token's K/V is
+    written to); ``groups``: decode sequences (one query each) and prefill chunks are
+    padded separately so a 1-token decode does not pay for a 128-token chunk's width;
+    ``sample_index`` [S] int64: the flat rows whose logits are wanted (the last token
+    of every sequence that reached the end of its known tokens)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    write_slots: torch.Tensor
+    groups: tuple[AttnGroup, ...]
+    sample_index: torch.Tensor
+
+
+class KvPool(Protocol):
+    """The physical pool the paged path reads and writes: ``k``/``v`` [L, slots, H, Dh]
+    with slots = blocks × block_tokens (see :class:`generation.kv_cache.PagedKvCache`)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.ln1 = nn.LayerNorm(cfg.dim)
+        self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.proj = nn.Linear(cfg.dim, cfg.dim)
+        self.ln2 = nn.LayerNorm(cfg.dim)
+        self.fc1 = nn.Linear(cfg.dim, 4 * cfg.dim)
+        self.fc2 = nn.Linear(4 * cfg.dim, cfg.dim)
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[..., D] -> q, k, v each [..., H, Dh]."""
+        q, k, v = self.qkv(self.ln1(x)).split(x.shape[-1], dim=-1)
+        shape = (*x.shape[:-1], self.n_heads, self.head_dim)
+        return q.reshape(shape), k.reshape(shape), v.reshape(shape)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``x`` [B, T, D], ``mask`` [B, T, T] -> [B, T, D]."""
+        q, k, v = self._qkv(x)
+        out = attend(q, k, v, mask)
+        x = x + self.proj(out.reshape(x.shape))
+        return self._mlp(x)
+
+    def forward_paged(self, x: torch.Tensor, step: PagedStep, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, D]; ``k_pool``/``v_pool`` [slots, H, Dh] of this layer -> [N, D]."""
+        q, k, v = self._qkv(x)
+        # Write the step's K/V first: a prefill chunk's tokens attend to each other.
+        k_pool.index_copy_(0, step.write_slots, k)
+        v_pool.index_copy_(0, step.write_slots, v)
+        out = torch.zeros_like(q)
+        for g in step.groups:  # at most two: decodes, prefill chunks
+            keep = g.ctx_valid[:, :, None, None]
+            # Padded keys read slot 0, which may hold anything (even another sequence's
+            # NaN): zero them so 0 × NaN cannot leak into this sequence.
+            kg = torch.where(keep, k_pool[g.ctx_slots], 0.0)
+            vg = torch.where(keep, v_pool[g.ctx_slots], 0.0)
+            og = attend(q[g.q_index], kg, vg, g.mask)
+            out[g.q_index[g.q_valid]] = og[g.q_valid]
+        x = x + self.proj(out.reshape(x.shape))
+        return self._mlp(x)
+
+
+class TinyDecoder(nn.Module):
+    """Token + learned position embeddings, ``n_layers`` :class:`DecoderLayer`, final
+    LayerNorm, output head tied to the token embedding.
+
+    Example::
+
+        model = TinyDecoder(ModelConfig(n_layers=2, dim=64)).eval()
+        logits = model(torch.tensor([[256, 104, 105]]))  # [1, 3, 259]
+    """
+
+    def __init__(self, cfg: ModelConfig, *, init_std: float = 0.02) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tok = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.pos = nn.Embedding(cfg.max_seq_len, cfg.dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.dim)
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                nn.init.normal_(p, std=init_std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        self.to(TORCH_DTYPES[cfg.dtype])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tok.weight.dtype
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(h) @ self.tok.weight.T
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` [B, T] int64 -> logits [B, T, V]; full causal attention, no cache."""
+        _, t = tokens.shape
+        pos = torch.arange(t, device=tokens.device)
+        x = self.tok(tokens) + self.pos(pos)[None]
+        mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()[None].expand(tokens.shape[0], t, t)
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self._logits(x)
+
+    def forward_paged(self, step: PagedStep, pool: KvPool) -> torch.Tensor:
+        """One continuous-batching step -> logits [S, V] for ``step.sample_index``."""
+        x = self.tok(step.tokens) + self.pos(step.positions)
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        for i, layer in enumerate(layers):
+            x = layer.forward_paged(x, step, pool.k[i], pool.v[i])
+        return self._logits(x[step.sample_index])

@@ -1,0 +1,110 @@
+"""The validated configs of the three models and of one training run.
+
+Each model config is what its checkpoint's ``<model>.json`` holds (plus the
+``model_version``), so serving rebuilds the exact module shape from the export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, TypeVar
+
+from recserve.errors import ConfigError, require
+
+T = TypeVar("T")
+
+
+def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{cls.__name__} has unknown fields {unknown}: re-export the models with this version")
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class DlrmConfig:
+    """``torchrec.models.dlrm.DLRM`` sizes: every table ``embedding_dim`` wide (DLRM's
+    interaction needs one width), dense arch ending at ``embedding_dim``."""
+
+    embedding_dim: int = 16
+    dense_arch: tuple[int, ...] = (64, 16)
+    over_arch: tuple[int, ...] = (64, 32, 1)
+
+    def __post_init__(self) -> None:
+        require(self.embedding_dim > 0, "dlrm.embedding_dim", self.embedding_dim, "use a positive width")
+        require(len(self.dense_arch) > 0 and self.dense_arch[-1] == self.embedding_dim, "dlrm.dense_arch", list(self.dense_arch), f"end the dense arch at embedding_dim ({self.embedding_dim})")
+        require(len(self.over_arch) > 0 and self.over_arch[-1] == 1, "dlrm.over_arch", list(self.over_arch), "end the over arch at 1 (one logit)")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DlrmConfig:
+        return _from_dict(cls, data)
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoTowerConfig:
+    """Towers map ``embedding_dim``-wide pooled rows through one ``hidden`` layer to
+    ``out_dim`` unit vectors; softmax temperature ``temperature``."""
+
+    embedding_dim: int = 32
+    hidden: int = 128
+    out_dim: int = 32
+    temperature: float = 0.05
+
+    def __post_init__(self) -> None:
+        require(self.embedding_dim > 0 and self.hidden > 0 and self.out_dim > 0, "two_tower.dims", (self.embedding_dim, self.hidden, self.out_dim), "use positive widths")
+        require(0 < self.temperature <= 1, "two_tower.temperature", self.temperature, "use a temperature in (0, 1]")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TwoTowerConfig:
+        return _from_dict(cls, data)
+
+
+@dataclasses.dataclass(frozen=True)
+class L3Config:
+    """The candidate attends over the user's last ``history`` items (unpooled
+    ``embedding_dim`` rows); an MLP of ``hidden`` units scores the result."""
+
+    embedding_dim: int = 16
+    history: int = 20
+    hidden: int = 64
+
+    def __post_init__(self) -> None:
+        require(self.embedding_dim > 0 and self.hidden > 0, "l3.dims", (self.embedding_dim, self.hidden), "use positive widths")
+        require(1 <= self.history <= 1024, "l3.history", self.history, "attend over 1..1024 history items")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> L3Config:
+        return _from_dict(cls, data)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One ``recserve train`` run: model sizes, optimisation, evaluation sample.
+
+    Epochs are passes over the train split (DLRM, L3: every impression; two-tower: every
+    click). ``max_rows`` caps the rows per epoch (0 = all; tests use a few thousand).
+    """
+
+    dlrm: DlrmConfig = DlrmConfig()
+    two_tower: TwoTowerConfig = TwoTowerConfig()
+    l3: L3Config = L3Config()
+    seed: int = 0
+    device: str = "auto"
+    batch_size: int = 2048
+    tt_batch_size: int = 1024
+    epochs: int = 2
+    tt_epochs: int = 4
+    lr: float = 3e-3
+    max_rows: int = 0
+    eval_users: int = 1000
+    recall_k: int = 100
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        require(self.device in ("auto", "cpu", "cuda"), "train.device", self.device, "use 'auto', 'cpu' or 'cuda'")
+        require(self.batch_size > 0 and self.tt_batch_size > 1, "train.batch_size", (self.batch_size, self.tt_batch_size), "use positive batch sizes (two-tower needs >= 2 for in-batch negatives)")
+        require(self.epochs >= 0 and self.tt_epochs >= 0, "train.epochs", (self.epochs, self.tt_epochs), "use >= 0 epochs")
+        require(self.lr > 0, "train.lr", self.lr, "use a positive learning rate")
+        require(self.max_rows >= 0, "train.max_rows", self.max_rows, "use >= 0 (0 = every row)")
+        require(self.eval_users > 0 and self.recall_k > 0, "train.eval_users", (self.eval_users, self.recall_k), "use positive counts")

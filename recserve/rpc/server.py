@@ -1,0 +1,228 @@
+"""The one way this project builds a gRPC server: malformed request bytes become
+``INVALID_ARGUMENT`` naming the method, for every service on it.
+
+Every server process (shard servers now; Ranking, Recommender, Generation later) builds
+its ``grpc.aio.Server`` with :func:`make_server` and registers health and reflection with
+:func:`add_health_and_reflection`::
+
+    server = make_server(max_message_bytes=256 << 20)
+    embedding_pb2_grpc.add_EmbeddingShardServicer_to_server(servicer, server)
+    health = await add_health_and_reflection(server, [SERVICE_NAME])   # NOT_SERVING until set
+    server.add_insecure_port("127.0.0.1:0"); await server.start()
+
+Why an interceptor: the generated ``add_*Servicer_to_server`` functions register each
+method with its message class's ``FromString`` as the deserializer, and grpc runs that
+*before* the servicer, so a body that is not valid protobuf (e.g. the single byte
+``0xfe``) escapes as ``UNKNOWN: Unexpected DecodeError``, with no way for the servicer
+to answer. :class:`DecodeErrorInterceptor` (installed by :func:`make_server`, ahead of
+any caller interceptors) hands every method's handler over with the parse moved inside
+it: unary-request methods receive the raw bytes and parse them themselves; for
+stream-request methods the deserializer raises :class:`MalformedRequest`, which surfaces
+inside the servicer's own ``await`` and is caught around it. Either way the caller gets
+``INVALID_ARGUMENT: /recserve.v1.EmbeddingShard/Lookup: the request body (1 byte) is not
+a valid recserve.v1.LookupRequest: …`` through :func:`recserve.rpc.status.abort_with`,
+and the process keeps serving. Methods registered without a deserializer (raw-bytes
+handlers, e.g. the shard's test fault hook) are left as they are.
+
+Servicers must be ``async`` (coroutines or async generators), as every recserve servicer
+is; plain functions are called inline on the event loop, which is what a
+``grpc.aio.Server`` without a migration thread pool (this one) does with them anyway.
+``tests/grpc_fuzz.py`` checks all of this against any running server, through reflection.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from recserve.errors import InvalidArgument
+from recserve.rpc.status import abort_with
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+REFLECTION_SERVICE: str = reflection.SERVICE_NAME
+# Wrapped handlers are cached per (method, handler); generic handlers are static, so this
+# stays at one entry per method. The bound only guards against a handler that builds a
+# fresh handler object per call.
+_CACHE_LIMIT = 1024
+
+Deserializer = Callable[[bytes], Any]
+
+
+class MalformedRequest(InvalidArgument):
+    """A request body that its method's message type cannot parse."""
+
+
+def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """Channel arguments every recserve server uses: raised message limits (both ways),
+    and no port sharing (a second process binding the same port must fail loudly)."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+def make_server(
+    *,
+    max_message_bytes: int,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+) -> grpc.aio.Server:
+    """A ``grpc.aio.Server`` whose every method answers malformed request bytes with
+    ``INVALID_ARGUMENT`` naming the method. ``options`` are added after
+    :func:`server_options`; ``interceptors`` run after the decode-error one."""
+    return grpc.aio.server(
+        interceptors=[DecodeErrorInterceptor(), *interceptors],
+        options=[*server_options(max_message_bytes), *options],
+    )
+
+
+async def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> HealthServicer:
+    """Register gRPC health and server reflection on ``server``. Reflection lists
+    ``service_names`` plus health and reflection themselves (so tools and
+    ``tests/grpc_fuzz.py`` find every service); health answers NOT_SERVING for ``""``
+    and each of ``service_names`` until the caller sets SERVING (the servicer's own
+    default for ``""`` is SERVING, which would claim readiness before anything loaded).
+    Returns the health servicer (``await health.set(name, status)``)."""
+    names = list(service_names)
+    health = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection((*names, HEALTH_SERVICE, REFLECTION_SERVICE), server)
+    for name in ("", *names):
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    return health
+
+
+def decode(deserializer: Deserializer, method: str, raw: bytes) -> Any:
+    """``deserializer(raw)``, or :class:`MalformedRequest` naming ``method``, the byte
+    count and the message type. Any exception from a deserializer means the bytes are
+    not a valid request (protobuf raises DecodeError; custom ones may raise others)."""
+    try:
+        return deserializer(raw)
+    except Exception as exc:  # noqa: BLE001  (see docstring)
+        message_type = getattr(getattr(getattr(deserializer, "__self__", None), "DESCRIPTOR", None), "full_name", None)
+        what = f"a valid {message_type}" if message_type else "a valid request message"
+        size = f"{len(raw):,} byte{'' if len(raw) == 1 else 's'}"
+        raise MalformedRequest(f"{method}: the request body ({size}) is not {what}: {exc}") from None
+
+
+def checked_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    """``handler`` with malformed request bytes answered ``INVALID_ARGUMENT`` (see the
+    module docstring); unchanged when it has no deserializer or cannot be wrapped."""
+    deserializer = handler.request_deserializer
+    if deserializer is None:
+        return handler
+    serializer = handler.response_serializer
+    if not handler.request_streaming:
+        if handler.response_streaming:
+            return grpc.unary_stream_rpc_method_handler(_unary_stream(handler.unary_stream, deserializer, method), None, serializer)
+        return grpc.unary_unary_rpc_method_handler(_unary_unary(handler.unary_unary, deserializer, method), None, serializer)
+    behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
+    guarded = _stream_request(behavior)
+    if guarded is None:
+        return handler
+
+    def raising(raw: bytes) -> Any:
+        return decode(deserializer, method, raw)
+
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(guarded, raising, serializer)
+    return grpc.stream_unary_rpc_method_handler(guarded, raising, serializer)
+
+
+def _unary_unary(behavior: Callable[..., Any], deserializer: Deserializer, method: str) -> Callable[..., Awaitable[Any]]:
+    async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = decode(deserializer, method, raw)
+        except MalformedRequest as exc:
+            await abort_with(context, exc)
+        result = behavior(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    return handle
+
+
+def _unary_stream(behavior: Callable[..., Any], deserializer: Deserializer, method: str) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(behavior):  # writes its responses with context.write
+
+        async def write(raw: bytes, context: grpc.aio.ServicerContext) -> None:
+            try:
+                request = decode(deserializer, method, raw)
+            except MalformedRequest as exc:
+                await abort_with(context, exc)
+            await behavior(request, context)
+
+        return write
+
+    async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            request = decode(deserializer, method, raw)
+        except MalformedRequest as exc:
+            await abort_with(context, exc)
+        responses = behavior(request, context)
+        if inspect.isasyncgen(responses):
+            async for response in responses:
+                yield response
+        else:
+            for response in responses:
+                yield response
+
+    return stream
+
+
+def _stream_request(behavior: Callable[..., Any]) -> Callable[..., Any] | None:
+    """Catch :class:`MalformedRequest` (raised by the deserializer while the servicer
+    reads its request stream) around an async stream-request servicer."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                async for response in behavior(requests, context):
+                    yield response
+            except MalformedRequest as exc:
+                await abort_with(context, exc)
+
+        return stream
+    if inspect.iscoroutinefunction(behavior):
+
+        async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await behavior(requests, context)
+            except MalformedRequest as exc:
+                await abort_with(context, exc)
+
+        return call
+    return None
+
+
+class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Serves every method through :func:`checked_handler` (installed by
+    :func:`make_server`; see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._wrapped: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED
+            return handler
+        method: str = handler_call_details.method  # type: ignore[attr-defined]
+        key = (method, id(handler))
+        hit = self._wrapped.get(key)
+        if hit is not None and hit[0] is handler:
+            return hit[1]
+        wrapped = checked_handler(handler, method)
+        if len(self._wrapped) >= _CACHE_LIMIT:
+            self._wrapped.clear()
+        self._wrapped[key] = (handler, wrapped)  # keeps ``handler`` alive: its id stays unique
+        return wrapped

@@ -5,6 +5,15 @@
 (:mod:`embedding_server.service`) runs these methods on a thread-pool executor so the
 event loop never gathers rows; everything here raises :class:`RecserveError` subclasses,
 mapped to status codes in one place (:mod:`recserve.rpc.status`).
+
+Lookup contract beyond the wire format: an id appears at most once per (table, column
+slice) in one ``LookupRequest`` — over all its ``TableLookup`` entries, since the
+client sends a table's cold and hot rows for one shard as separate entries with the
+same (full-row) slice — and a pooled request carries at most ``max_bags_per_rpc`` bags
+in all. A duplicate would be gathered, answered and counted twice; the lookup client
+deduplicates per table before routing, so a duplicate means a broken or hostile
+caller and is rejected (INVALID_ARGUMENT naming the table and an id). The same id in
+entries for *different* column slices (warm slices) is not a duplicate.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import ExitStack
 from typing import Any
 
@@ -23,6 +32,7 @@ from embedding_server.pooling import check_bags, pool_partial
 from embedding_server.quant import RowDType, from_wire
 from embedding_server.store import RowStore
 from embedding_server.table import TableTiers
+from recserve.config.spec import ShardServerConfig
 from recserve.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from recserve.rpc.tensors import pack, unpack
 from recserve.sharding.plan import Tier
@@ -47,15 +57,62 @@ def count_ids(tables: Iterable[Any]) -> int:
     return sum(len(t.ids.data) // 8 for t in tables)
 
 
+def count_bags(request: embedding_pb2.LookupRequest) -> int:
+    """Bags of a pooled LookupRequest (``len(bag_offsets) - 1`` summed over its tables),
+    from byte lengths (no decoding); 0 for an unpooled one, whose bag fields are unused."""
+    if not request.pooled:
+        return 0
+    return sum(max(len(t.bag_offsets.data) // 8 - 1, 0) for t in request.tables)
+
+
+def check_unique_ids(table: str, cols: tuple[int, int], ids: list[np.ndarray], entries: list[int]) -> None:
+    """Raise InvalidArgument if an id occurs twice among ``ids`` (int64 arrays [N_k], the
+    ids of TableLookup entries ``entries`` that all ask ``table`` for columns ``cols``).
+
+    Vectorised: a strictly increasing concatenation (what the lookup client sends: each
+    entry's ids come out of ``np.unique`` in order) passes in one O(N) compare; otherwise
+    a stable sort (timsort: linear on a few sorted runs) and a neighbour compare.
+    """
+    flat = ids[0] if len(ids) == 1 else np.concatenate(ids)
+    if flat.size < 2 or bool(np.all(flat[1:] > flat[:-1])):
+        return
+    ordered = np.sort(flat, kind="stable")
+    repeated = ordered[1:][ordered[1:] == ordered[:-1]]
+    if repeated.size:
+        dup = int(repeated[0])
+        where = f"tables[{entries[0]}]" if len(entries) == 1 else f"tables{entries}"
+        raise InvalidArgument(
+            f"{where} ({table!r}, columns {cols[0]}..{cols[1]}): id {dup:,} appears "
+            f"{int(np.count_nonzero(flat == dup))} times; ids must be unique per table and column slice within one LookupRequest"
+        )
+
+
 class ShardCore:
     """Tables of one shard, built from RocksDB (``layouts`` from the plan). DRAM tiers
     use ``tier_dtype``, or each table's plan dtype when None."""
 
-    def __init__(self, shard_id: int, plan_version: int, store: RowStore, layouts: Mapping[str, TableLayout], *, tier_dtype: RowDType | None, row_cache_bytes: int, max_ids_per_rpc: int, default_value: float = 0.0) -> None:
+    def __init__(
+        self,
+        shard_id: int,
+        plan_version: int,
+        store: RowStore,
+        layouts: Mapping[str, TableLayout],
+        *,
+        tier_dtype: RowDType | None,
+        row_cache_bytes: int,
+        max_ids_per_rpc: int,
+        max_bags_per_rpc: int = ShardServerConfig.max_bags_per_rpc,
+        default_value: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``clock``: monotonic seconds, the time base of lookup deadlines (the service
+        derives them with ``time.monotonic``; tests pass a fake)."""
         self.shard_id = shard_id
         self.plan_version = plan_version
         self.store = store
         self.max_ids_per_rpc = max_ids_per_rpc
+        self.max_bags_per_rpc = max_bags_per_rpc
+        self.clock = clock
         # The row-cache budget is shared by tables in proportion to their cold bytes.
         cold_bytes = {n: len(l.cold_ids) * l.dim for n, l in layouts.items()}
         total = sum(cold_bytes.values()) or 1
@@ -76,21 +133,36 @@ class ShardCore:
                 f"{what} carries {n_ids:,} ids; shard {self.shard_id} accepts at most max_ids_per_rpc = {self.max_ids_per_rpc:,} per RPC; split it"
             )
 
+    def check_bags(self, n_bags: int) -> None:
+        """Bound a pooled lookup's reply memory (``n_bags`` × width × 4 bytes of partial
+        sums), which empty bags would otherwise let the message limit alone decide."""
+        if n_bags > self.max_bags_per_rpc:
+            raise InvalidArgument(
+                f"pooled LookupRequest carries {n_bags:,} bags (len(bag_offsets) - 1 over its tables); shard {self.shard_id} "
+                f"accepts at most shard_server.max_bags_per_rpc = {self.max_bags_per_rpc:,} per RPC; split it"
+            )
+
     # -- lookup --------------------------------------------------------------------
 
     def lookup(self, request: embedding_pb2.LookupRequest, deadline: float) -> LookupOutcome:
         """Validate every table first (a bad table fails the RPC before any work), then
         gather. ``deadline`` is monotonic seconds; expired work is dropped, not done."""
         self.check_size(count_ids(request.tables), "LookupRequest")
+        self.check_bags(count_bags(request))
         out = from_wire(request.row_dtype)
         if request.pooled and out is not RowDType.FLOAT32:
             raise InvalidArgument("pooled lookups return fp32 partial sums; leave row_dtype FLOAT32 (or unset)")
         decoded = []
+        # (table, resolved columns) -> (entry indices, their ids): the duplicate check's groups
+        slices: dict[tuple[str, tuple[int, int]], tuple[list[int], list[np.ndarray]]] = {}
         for i, tl in enumerate(request.tables):
             table = self.table(tl.table)
             ids = unpack(tl.ids, f"tables[{i}].ids ({tl.table})", expect_dtype=common_pb2.INT64, expect_ndim=1)
             table.check_ids(ids, f"tables[{i}].ids")
             cols = table.columns(tl.col_start, tl.col_end)
+            entries, id_arrays = slices.setdefault((tl.table, cols), ([], []))
+            entries.append(i)
+            id_arrays.append(ids)
             bags = None
             if request.pooled:
                 idx = unpack(tl.bag_indices, f"tables[{i}].bag_indices", expect_dtype=common_pb2.INT64, expect_ndim=1)
@@ -98,7 +170,9 @@ class ShardCore:
                 check_bags(len(ids), idx, off, tl.table)
                 bags = (idx, off)
             decoded.append((table, ids, cols, bags))
-        if time.monotonic() > deadline:
+        for (name, cols), (entries, id_arrays) in slices.items():
+            check_unique_ids(name, cols, id_arrays, entries)
+        if self.clock() > deadline:
             raise DeadlineExceeded(f"shard {self.shard_id}: lookup deadline passed before its gathers ran")
         response = embedding_pb2.LookupResponse(plan_version=self.plan_version)
         served = {kind: 0 for kind in Tier}

@@ -163,14 +163,14 @@ class DecodeEngine:
         key_pos = np.arange(c_w)
         ctx_valid = key_pos[None, :] < ctx[idx, None]
         slots = table_mat[idx][:, np.minimum(key_pos // bt, table_mat.shape[1] - 1)] * bt + key_pos % bt
-        ctx_slots = np.where(ctx_valid, slots, 0)
+        ctx_slots = np.where(ctx_valid, slots, self.cache.null_slot).reshape(-1)
         mask = ctx_valid[:, None, :] & (key_pos[None, None, :] <= q_pos[:, :, None])
         dev = self.device
 
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
-        return AttnGroup(q_index=t(q_index), q_valid=t(q_valid), ctx_slots=t(ctx_slots), ctx_valid=t(ctx_valid), mask=t(mask))
+        return AttnGroup(q_index=t(q_index), q_valid=t(q_valid), ctx_slots=t(ctx_slots), mask=t(mask))
 
 
 def build(

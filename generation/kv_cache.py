@@ -1,6 +1,6 @@
 """The physical paged KV pool: one preallocated tensor pair for every layer.
 
-``k`` and ``v`` are [L, num_blocks × block_tokens, H, Dh] in the model's dtype on its
+``k`` and ``v`` are [L, (num_blocks + 1) × block_tokens, H, Dh] in the model's dtype on its
 device; token ``p`` of a sequence lives at slot ``blocks[p // B] * B + p % B`` of its
 :class:`~generation.blocks.BlockTable`. Which block belongs to whom is decided by
 :class:`~generation.blocks.BlockPool` (no torch); this class only holds bytes and copies
@@ -20,13 +20,17 @@ class PagedKvCache:
     def __init__(self, model: ModelConfig, kv: KvCacheConfig, *, dtype: torch.dtype, device: torch.device) -> None:
         self.block_tokens = kv.block_tokens
         self.num_blocks = kv.num_blocks
-        shape = (model.n_layers, kv.num_blocks * kv.block_tokens, model.n_heads, model.head_dim)
+        # One extra block at the end, the null block: never allocated, never written;
+        # padded attention reads point there.
+        shape = (model.n_layers, (kv.num_blocks + 1) * kv.block_tokens, model.n_heads, model.head_dim)
+        self.null_slot = kv.num_blocks * kv.block_tokens
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        """Bytes of the usable pool (without the null block)."""
+        return self.null_slot * self.k.shape[0] * self.k.shape[2] * self.k.shape[3] * self.k.element_size() * 2
 
     def block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
         """[n] block ids -> [n × B] slot ids, block by block."""

@@ -38,6 +38,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     [G, Q, C] bool (True = attend; every query row must allow at least one key) ->
     [G, Q, H, Dh]."""
     scale = 1.0 / math.sqrt(q.shape[-1])
+    if q.shape[1] == 1:
+        # Decode: one query per sequence. Broadcast multiply-sum reads K and V once in
+        # their stored layout; einsum's bmm would first copy them into [G, H, C, Dh]
+        # (3x slower here, and decode steps are mostly this).
+        scores = (k * q).sum(-1) * scale  # [G, C, H]
+        scores = scores.masked_fill(~mask[:, 0, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=1)
+        return (probs[..., None] * v).sum(1)[:, None]
     scores = torch.einsum("gqhd,gchd->ghqc", q, k) * scale
     scores = scores.masked_fill(~mask[:, None, :, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -50,13 +58,13 @@ class AttnGroup:
 
     ``q_index`` [G, Q] int64: rows of the step's flat tokens (padding points at row 0);
     ``q_valid`` [G, Q] bool; ``ctx_slots`` [G, C] int64: pool slots of each sequence's
-    keys 0..C-1 (padding points at slot 0); ``ctx_valid`` [G, C] bool; ``mask`` [G, Q, C]
-    bool: key position <= query position and inside the sequence."""
+    keys 0..C-1, flattened to [G × C] (padding points at the pool's null slot, which is
+    never written, so no other sequence's values — not even a NaN — can leak in);
+    ``mask`` [G, Q, C] bool: key position <= query position and inside the sequence."""
 
     q_index: torch.Tensor
     q_valid: torch.Tensor
     ctx_slots: torch.Tensor
-    ctx_valid: torch.Tensor
     mask: torch.Tensor
 
 
@@ -120,11 +128,9 @@ class DecoderLayer(nn.Module):
         v_pool.index_copy_(0, step.write_slots, v)
         out = torch.zeros_like(q)
         for g in step.groups:  # at most two: decodes, prefill chunks
-            keep = g.ctx_valid[:, :, None, None]
-            # Padded keys read slot 0, which may hold anything (even another sequence's
-            # NaN): zero them so 0 × NaN cannot leak into this sequence.
-            kg = torch.where(keep, k_pool[g.ctx_slots], 0.0)
-            vg = torch.where(keep, v_pool[g.ctx_slots], 0.0)
+            shape = (*g.q_index.shape[:1], -1, *k_pool.shape[1:])  # [G, C, H, Dh]
+            kg = k_pool.index_select(0, g.ctx_slots).view(shape)
+            vg = v_pool.index_select(0, g.ctx_slots).view(shape)
             og = attend(q[g.q_index], kg, vg, g.mask)
             out[g.q_index[g.q_valid]] = og[g.q_valid]
         x = x + self.proj(out.reshape(x.shape))

@@ -50,8 +50,12 @@ class TwoTowerConfig:
     hidden: int = 128
     out_dim: int = 32
     temperature: float = 0.05
+    # Fraction of log q subtracted (1 = the full logQ correction; < 1 leaves part of the
+    # popularity prior in the scores, as the click model's own popularity term does).
+    logq_weight: float = 1.0
 
     def __post_init__(self) -> None:
+        require(0.0 <= self.logq_weight <= 1.0, "two_tower.logq_weight", self.logq_weight, "use a fraction in [0, 1]")
         require(self.embedding_dim > 0 and self.hidden > 0 and self.out_dim > 0, "two_tower.dims", (self.embedding_dim, self.hidden, self.out_dim), "use positive widths")
         require(0 < self.temperature <= 1, "two_tower.temperature", self.temperature, "use a temperature in (0, 1]")
 

@@ -158,7 +158,7 @@ def train_two_tower(catalog: ScrubbedCatalog, arrays: ServingArrays, config: Tra
         it = items[rows]
         u = _user_tower_input(model, arrays, users[rows], exclude[rows], device)
         v = item_vectors(model, arrays, it)
-        logits = (u @ v.T) / tau - log_q[torch.from_numpy(rows).to(device)][None, :]
+        logits = (u @ v.T) / tau - config.two_tower.logq_weight * log_q[torch.from_numpy(rows).to(device)][None, :]
         same = torch.from_numpy(it[:, None] == it[None, :]).to(device)
         same.fill_diagonal_(False)
         logits = logits.masked_fill(same, float("-inf"))

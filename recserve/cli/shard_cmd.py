@@ -137,10 +137,8 @@ def _serve(args: argparse.Namespace) -> int:
     # launcher also passes these in the environment.
     for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
         os.environ.setdefault(name, str(args.threads or 1))
-    import asyncio
-
     from embedding_server.config import ShardProcessConfig
-    from embedding_server.server import serve
+    from embedding_server.server import run_process
 
     config = ShardProcessConfig(
         shard_id=args.shard_id,
@@ -159,7 +157,7 @@ def _serve(args: argparse.Namespace) -> int:
         load_from=args.load_from,
         overwrite_upserts=args.overwrite,
     )
-    asyncio.run(serve(config))
+    run_process(config)  # exits the process (no interpreter teardown) after a clean stop
     return 0
 
 

@@ -21,8 +21,8 @@ Two mechanisms, because each has a hole the other covers:
   worker thread would be killed when that thread ends; it is only armed for children of
   the main thread (CPython's main thread lives as long as the process). The child sets
   it itself at start-up (no ``preexec_fn``, which is unsafe with threads) and then
-  compares ``os.getppid()`` with the parent pid it was given, closing the window in
-  which the parent died before the flag was set.
+  compares ``os.getppid()`` with the parent pid it was given (and checks that pid is
+  gone), closing the window in which the parent died before the flag was set.
 
 On parent death the child gets SIGTERM (its graceful shutdown: a shard stops serving and
 closes RocksDB) and, if still alive after ``ORPHAN_GRACE_S``, SIGKILL.
@@ -204,11 +204,11 @@ def exit_with_parent(*, grace_s: float = ORPHAN_GRACE_S) -> bool:
     pdeathsig = os.environ.pop(PDEATHSIG_ENV, None) == "1"
     if parent_pid is None or fd_text is None:
         return False
-    fd = int(fd_text)
     try:
+        fd = int(fd_text)
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             raise OSError(f"fd {fd} is not a pipe")
-    except OSError as exc:
+    except (OSError, ValueError) as exc:
         log.warning("%s=%s is not a lifeline pipe (%s); not watching the parent", LIFELINE_FD_ENV, fd_text, exc)
         return False
     os.set_inheritable(fd, False)  # grandchildren must not hold our lifeline

@@ -78,13 +78,24 @@ class ShardingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ShardServerConfig:
-    """Per-process settings of an embedding shard server."""
+    """Per-process settings of an embedding shard server.
+
+    ``max_bags_per_rpc`` bounds a pooled Lookup's bags (summed over its tables): the
+    shard allocates bags × width × 4 bytes of partial sums, and empty bags cost the
+    caller only 8 request bytes each, so without it memory is bounded by the message
+    limit alone. The lookup client sends, per (table, slice) entry, all of its window's
+    bags of that table; a window's bags are about its ids (a bag is mostly non-empty),
+    so an RPC within ``max_ids_per_rpc`` carries at most a few times that many. The
+    default, 4 × the default ``max_ids_per_rpc``, leaves that room and caps the sums at
+    ≈ 256 MiB for 64-wide rows.
+    """
 
     max_ids_per_rpc: int = 262_144
     row_cache_bytes: int = 64 << 20
     block_cache_bytes: int = 64 << 20
     threads: int = 1
     max_message_bytes: int = 256 << 20
+    max_bags_per_rpc: int = 1_048_576
 
     def __post_init__(self) -> None:
         _require(self.max_ids_per_rpc > 0, "shard_server.max_ids_per_rpc", self.max_ids_per_rpc, "use a positive id count")
@@ -92,6 +103,7 @@ class ShardServerConfig:
         _require(self.block_cache_bytes > 0, "shard_server.block_cache_bytes", self.block_cache_bytes, "use a positive byte count")
         _require(1 <= self.threads <= 64, "shard_server.threads", self.threads, "use 1..64 threads (2 cores here: keep it at 1-2)")
         _require(self.max_message_bytes >= 4 << 20, "shard_server.max_message_bytes", self.max_message_bytes, "use at least 4 MiB")
+        _require(self.max_bags_per_rpc > 0, "shard_server.max_bags_per_rpc", self.max_bags_per_rpc, "use a positive bag count (default 1,048,576)")
 
 
 @dataclasses.dataclass(frozen=True)

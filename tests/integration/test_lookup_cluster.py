@@ -201,7 +201,6 @@ def test_delayed_shard_is_hedged_to_a_replica_within_deadline_and_budget(env: En
         return out, took, sent - primaries, primaries
 
     client, (results, took, hedges, primaries) = with_client(env, body, cfg)
-    print("DBG", [(r.missing, round(x, 3)) for r, x in zip(results, took)], client.stats)
     assert all(not r.degraded for r in results)  # every hot row came from a replica in time
     assert max(took) < deadline_s + 0.5  # resolved by its deadline (plus wake-up slack), long before the primary's delay
     assert hedges >= 1

@@ -1,6 +1,7 @@
 """A re-plan that keeps upserts: load, upsert through real shards, re-plan to one more
 shard, ``recserve shard migrate`` offline, start the new shards without ``--load-from``
-and read every upserted row back through the real ``LookupClient``.
+and read every upserted row back through the real ``LookupClient``. (Re-runs, overwrite
+refusals and re-cut warm slices are covered in tests/unit/test_embedding_migrate.py.)
 
 The oracle is the source arrays with the upserted rows written over them.
 """
@@ -103,8 +104,6 @@ def test_migrate_to_one_more_shard_keeps_every_upsert(tmp_path: Path) -> None:
     summary = json.loads(first.stdout)
     assert summary["from_plan_version"] == 1 and summary["to_plan_version"] == 2 and len(summary["rows_written"]) == 4
     assert summary["carried_upserts"] >= 3 and summary["ids_incomplete"] == {t: 0 for t in ids}
-    again = migrate_cli(*args)  # idempotent: the same rows again
-    assert again.returncode == 0 and json.loads(again.stdout)["rows_written"] == summary["rows_written"], again.stderr[-3000:]
 
     untouched = {t: np.setdiff1d(rng.choice(weights[t].shape[0], 200, replace=False), ids[t]) for t in ids}
     with ShardCluster(tmp_path / "plan-v2.json", tmp_path / "new", server=SERVER) as cluster:  # no --load-from

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recserve.lookup.route import ShardState, route_window
+from recserve.lookup.route import FetchUnit, ShardState, chunk_units, route_window
 from recserve.sharding.plan import ShardingPlan, Tier
 from tests.unit.test_lookup_fakes import make_plan, tier_ids
 
@@ -110,3 +110,23 @@ def test_slow_shard_gets_no_hot_ids_while_a_fast_replica_exists() -> None:
     # ... and its rows keep shard 1 as the hedge alternative (a copy still exists there).
     alts = np.concatenate([u.alternatives[:, 0] for u in routed.units])
     assert (alts == 1).any()
+
+
+def test_chunks_cover_every_unit_in_order_and_fill_each_rpc() -> None:
+    alts = np.arange(9, dtype=np.int32).reshape(9, 1)
+    units = [
+        FetchUnit(0, "a", np.arange(5), 0, 0, alts[:5]),
+        FetchUnit(0, "b", np.arange(10, 14), 2, 4, alts[5:]),
+    ]
+    rpcs = chunk_units(units, 3)
+    assert [sum(len(u) for u in rpc) for rpc in rpcs] == [3, 3, 3]
+    assert [[(u.table, u.positions.tolist()) for u in rpc] for rpc in rpcs] == [
+        [("a", [0, 1, 2])],
+        [("a", [3, 4]), ("b", [10])],
+        [("b", [11, 12, 13])],
+    ]
+    pieces = [u for rpc in rpcs for u in rpc]
+    np.testing.assert_array_equal(np.concatenate([u.alternatives for u in pieces]), alts)  # alternatives follow their rows
+    assert [(u.col_start, u.col_end) for u in pieces] == [(0, 0), (0, 0), (2, 4), (2, 4)]
+    whole = chunk_units(units, 9)
+    assert len(whole) == 1 and whole[0] is units  # within the limit: one RPC, units untouched

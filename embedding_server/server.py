@@ -91,6 +91,7 @@ def load_core(config: ShardProcessConfig, plan: ShardingPlan, layouts: dict[str,
             tier_dtype=None if config.tier_dtype == "plan" else RowDType(config.tier_dtype),
             row_cache_bytes=config.server.row_cache_bytes,
             max_ids_per_rpc=config.server.max_ids_per_rpc,
+            max_bags_per_rpc=config.server.max_bags_per_rpc,
             default_value=config.default_value,
         )
     except BaseException:

@@ -8,6 +8,14 @@ right on the event loop: the thread hop (executor queue, cross-thread wake-up, G
 hand-over) costs about as much as gathering a few thousand rows here, and with one
 worker thread nothing runs in parallel anyway. Errors leave through
 :func:`recserve.rpc.status.abort_with` only; the server keeps serving after any of them.
+Request bytes that are not valid protobuf never reach this servicer: the server built
+by :func:`recserve.rpc.server.make_server` answers them INVALID_ARGUMENT.
+
+Lookup contract (enforced by :class:`ShardCore`): within one ``LookupRequest`` an id
+appears at most once per (table, column slice), over all its ``TableLookup`` entries;
+a duplicate is rejected with INVALID_ARGUMENT naming the table and the id (it would
+otherwise be answered and counted twice). A pooled request carries at most
+``shard_server.max_bags_per_rpc`` bags in all (INVALID_ARGUMENT naming the limit).
 """
 
 from __future__ import annotations
@@ -102,6 +110,8 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         await abort_with(context, error)
 
     async def Lookup(self, request: embedding_pb2.LookupRequest, context: grpc.aio.ServicerContext) -> embedding_pb2.LookupResponse:
+        """Rows (or pooled partial sums) for every ``TableLookup``; see the module
+        docstring for the contract (unique ids per table and slice, bag limit)."""
         started = time.perf_counter()
         self.counters.rpcs += 1
         try:

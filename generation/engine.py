@@ -38,7 +38,7 @@ from recserve.scheduling import (
 from generation import policy as policy_module
 from generation.config import GenerationConfig
 from generation.kv_cache import PagedKvCache
-from generation.model import AttnGroup, PagedStep, TinyDecoder, resolve_device
+from generation.model import AttnGroup, DecodeGroup, PagedStep, TinyDecoder, resolve_device
 from generation.types import GenerationRequest, SequenceState
 
 
@@ -140,20 +140,30 @@ class DecodeEngine:
         write_slots = table_mat[seq_of, positions // bt] * bt + positions % bt
         ctx = starts + lens
         sampled = ctx == known
-        groups = tuple(
-            self._group(idx, starts, lens, ctx, first, table_mat)
-            for idx in (np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)) if idx.size
-        )
+        dec, pre = np.flatnonzero(lens == 1), np.flatnonzero(lens > 1)
         dev = self.device
         step = PagedStep(
             tokens=torch.from_numpy(tokens).to(dev), positions=torch.from_numpy(positions).to(dev),
-            write_slots=torch.from_numpy(write_slots).to(dev), groups=groups,
+            write_slots=torch.from_numpy(write_slots).to(dev),
+            decode=self._decode_group(dec, ctx, first, table_mat) if dec.size else None,
+            prefill=self._prefill_group(pre, starts, lens, ctx, first, table_mat) if pre.size else None,
             sample_index=torch.from_numpy((first + lens - 1)[sampled]).to(dev),
         )
         return step, sampled, states
 
-    def _group(self, idx: np.ndarray, starts: np.ndarray, lens: np.ndarray, ctx: np.ndarray, first: np.ndarray, table_mat: np.ndarray) -> AttnGroup:
-        """Padded attention inputs for sequences ``idx`` (see :class:`AttnGroup`)."""
+    def _decode_group(self, idx: np.ndarray, ctx: np.ndarray, first: np.ndarray, table_mat: np.ndarray) -> DecodeGroup:
+        """Ragged attention inputs for the one-token sequences ``idx`` (see :class:`DecodeGroup`)."""
+        bt = self.block_tokens
+        n_keys = ctx[idx]
+        key_seq = np.repeat(np.arange(idx.size), n_keys)
+        key_pos = np.arange(int(n_keys.sum())) - np.repeat(np.cumsum(n_keys) - n_keys, n_keys)
+        key_slots = table_mat[idx[key_seq], key_pos // bt] * bt + key_pos % bt
+        dev = self.device
+        return DecodeGroup(q_rows=torch.from_numpy(first[idx]).to(dev), key_slots=torch.from_numpy(key_slots).to(dev),
+                           key_seq=torch.from_numpy(key_seq).to(dev))
+
+    def _prefill_group(self, idx: np.ndarray, starts: np.ndarray, lens: np.ndarray, ctx: np.ndarray, first: np.ndarray, table_mat: np.ndarray) -> AttnGroup:
+        """Padded attention inputs for the prefill chunks ``idx`` (see :class:`AttnGroup`)."""
         bt = self.block_tokens
         q_w, c_w = int(lens[idx].max()), int(ctx[idx].max())
         qi = np.arange(q_w)

@@ -38,23 +38,44 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     [G, Q, C] bool (True = attend; every query row must allow at least one key) ->
     [G, Q, H, Dh]."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if q.shape[1] == 1:
-        # Decode: one query per sequence. Broadcast multiply-sum reads K and V once in
-        # their stored layout; einsum's bmm would first copy them into [G, H, C, Dh]
-        # (3x slower here, and decode steps are mostly this).
-        scores = (k * q).sum(-1) * scale  # [G, C, H]
-        scores = scores.masked_fill(~mask[:, 0, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=1)
-        return (probs[..., None] * v).sum(1)[:, None]
     scores = torch.einsum("gqhd,gchd->ghqc", q, k) * scale
     scores = scores.masked_fill(~mask[:, None, :, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("ghqc,gchd->gqhd", probs, v)
 
 
+def attend_ragged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_seq: torch.Tensor) -> torch.Tensor:
+    """One query per sequence over ragged contexts (decode). ``q`` [G, H, Dh]; ``k``/``v``
+    [K, H, Dh]: every sequence's keys back to back, K = sum of context lengths;
+    ``key_seq`` [K] int64: the sequence (0..G-1) of each key -> [G, H, Dh].
+
+    A segmented softmax (scatter max, exp, index_add): the cost follows the keys that
+    exist, so one 1,024-token context does not pad every other decode to its length."""
+    g = q.shape[0]
+    scores = (k * q.index_select(0, key_seq)).sum(-1) * (1.0 / math.sqrt(q.shape[-1]))  # [K, H]
+    index = key_seq[:, None].expand_as(scores)
+    peak = torch.full((g, scores.shape[1]), float("-inf"), dtype=scores.dtype, device=scores.device)
+    peak = peak.scatter_reduce(0, index, scores, reduce="amax", include_self=True)
+    weights = torch.exp(scores - peak.index_select(0, key_seq))  # [K, H]
+    denom = torch.zeros_like(peak).index_add_(0, key_seq, weights)  # [G, H]
+    out = torch.zeros_like(q).index_add_(0, key_seq, weights[..., None] * v)  # [G, H, Dh]
+    return out / denom[..., None]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodeGroup:
+    """The step's one-token sequences. ``q_rows`` [G] int64: their flat token rows;
+    ``key_slots`` [K] int64: pool slots of all their keys, sequence after sequence;
+    ``key_seq`` [K] int64: which of the G sequences each key belongs to."""
+
+    q_rows: torch.Tensor
+    key_slots: torch.Tensor
+    key_seq: torch.Tensor
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class AttnGroup:
-    """Sequences of one step attended together, padded to ``Q`` queries and ``C`` keys.
+    """The step's prefill chunks (a few sequences), padded to ``Q`` queries and ``C`` keys.
 
     ``q_index`` [G, Q] int64: rows of the step's flat tokens (padding points at row 0);
     ``q_valid`` [G, Q] bool; ``ctx_slots`` [G, C] int64: pool slots of each sequence's
@@ -72,15 +93,16 @@ class AttnGroup:
 class PagedStep:
     """One step's inputs (built by :class:`generation.engine.DecodeEngine`). N tokens flat:
     ``tokens`` [N], ``positions`` [N], ``write_slots`` [N] (pool slot each token's K/V is
-    written to); ``groups``: decode sequences (one query each) and prefill chunks are
-    padded separately so a 1-token decode does not pay for a 128-token chunk's width;
+    written to); ``decode``: the one-token sequences (ragged attention); ``prefill``:
+    the multi-token chunks (padded attention);
     ``sample_index`` [S] int64: the flat rows whose logits are wanted (the last token
     of every sequence that reached the end of its known tokens)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     write_slots: torch.Tensor
-    groups: tuple[AttnGroup, ...]
+    decode: DecodeGroup | None
+    prefill: AttnGroup | None
     sample_index: torch.Tensor
 
 
@@ -127,7 +149,11 @@ class DecoderLayer(nn.Module):
         k_pool.index_copy_(0, step.write_slots, k)
         v_pool.index_copy_(0, step.write_slots, v)
         out = torch.zeros_like(q)
-        for g in step.groups:  # at most two: decodes, prefill chunks
+        d = step.decode
+        if d is not None:
+            out[d.q_rows] = attend_ragged(q[d.q_rows], k_pool.index_select(0, d.key_slots), v_pool.index_select(0, d.key_slots), d.key_seq)
+        g = step.prefill
+        if g is not None:
             shape = (*g.q_index.shape[:1], -1, *k_pool.shape[1:])  # [G, C, H, Dh]
             kg = k_pool.index_select(0, g.ctx_slots).view(shape)
             vg = v_pool.index_select(0, g.ctx_slots).view(shape)

@@ -15,6 +15,7 @@ from ``TrainConfig.seed``, so reruns on the same machine and device match.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -58,6 +59,15 @@ def table_rows(catalog: ScrubbedCatalog) -> dict[str, int]:
     for prefix in ("tt", "l3"):
         rows.update({f"{prefix}_item": catalog.num_items, f"{prefix}_category": catalog.num_categories, f"{prefix}_tag": catalog.num_tags})
     return rows
+
+
+@contextlib.contextmanager
+def _seeded(seed: int) -> Iterator[None]:
+    """Seed torch's global RNG (``nn.Linear`` initialises from it) for one model's
+    construction, restoring the caller's RNG state afterwards."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def _batches(n: int, batch: int, rng: np.random.Generator, cap: int) -> Iterator[np.ndarray]:
@@ -104,8 +114,8 @@ def _fit(
 
 
 def train_dlrm(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainConfig, device: torch.device) -> tuple[DlrmRanker, float]:
-    gen = torch.Generator().manual_seed(config.seed)
-    model = DlrmRanker(config.dlrm, table_rows(catalog), generator=gen).to(device)
+    with _seeded(config.seed):
+        model = DlrmRanker(config.dlrm, table_rows(catalog), generator=torch.Generator().manual_seed(config.seed)).to(device)
     users, items, labels = (np.asarray(a) for a in (catalog.train.user, catalog.train.item, catalog.train.label))
 
     def step(rows: np.ndarray) -> torch.Tensor:
@@ -117,8 +127,8 @@ def train_dlrm(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainCon
 
 
 def train_l3(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainConfig, device: torch.device) -> tuple[L3Reranker, float]:
-    gen = torch.Generator().manual_seed(config.seed + 2)
-    model = L3Reranker(config.l3, table_rows(catalog), generator=gen).to(device)
+    with _seeded(config.seed + 2):
+        model = L3Reranker(config.l3, table_rows(catalog), generator=torch.Generator().manual_seed(config.seed + 2)).to(device)
     users, items, labels = (np.asarray(a) for a in (catalog.train.user, catalog.train.item, catalog.train.label))
 
     def step(rows: np.ndarray) -> torch.Tensor:
@@ -143,8 +153,8 @@ def train_two_tower(catalog: ScrubbedCatalog, arrays: ServingArrays, config: Tra
     tower reading the rest of the history (leave-one-out: the target is never its own
     input). Histories are what a real system logs as engagement; they carry most of
     the signal (≈20× the clicks of the log)."""
-    gen = torch.Generator().manual_seed(config.seed + 1)
-    model = TwoTower(config.two_tower, table_rows(catalog), generator=gen).to(device)
+    with _seeded(config.seed + 1):
+        model = TwoTower(config.two_tower, table_rows(catalog), generator=torch.Generator().manual_seed(config.seed + 1)).to(device)
     clicked = np.flatnonzero(np.asarray(catalog.train.label) == 1)
     hist = arrays.user_history
     users = np.concatenate([np.asarray(catalog.train.user)[clicked], np.repeat(np.arange(hist.num_rows, dtype=np.int64), hist.lengths())])

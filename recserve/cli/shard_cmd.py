@@ -53,6 +53,7 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--threads", type=int, default=None, help="gather threads and torch/BLAS threads (default 1)")
     serve.add_argument("--max-ids-per-rpc", type=int, default=None, help="larger requests get RESOURCE_EXHAUSTED (default 262144)")
     serve.add_argument("--max-message-bytes", type=_int_bytes, default=None, help="gRPC send/receive limit (default 256M)")
+    serve.add_argument("--max-bags-per-rpc", type=int, default=None, help="pooled lookups with more bags get INVALID_ARGUMENT (default 1048576)")
     serve.add_argument("--tier-dtype", choices=("plan", "float32", "float16", "int8"), default="plan", help="DRAM hot/warm tier element type (default: each table's plan dtype)")
     serve.add_argument("--default-value", type=float, default=0.0, help="fill value of the default row for missing ids")
     serve.add_argument("--admin-token", default=None, help=f"require this token on Upsert (or set ${ADMIN_TOKEN_ENV})")
@@ -127,6 +128,7 @@ def _server_config(args: argparse.Namespace) -> Any:
         "block_cache_bytes": args.block_cache_bytes,
         "threads": args.threads,
         "max_ids_per_rpc": args.max_ids_per_rpc,
+        "max_bags_per_rpc": args.max_bags_per_rpc,
         "max_message_bytes": args.max_message_bytes,
     }
     return dataclasses.replace(ShardServerConfig(), **{k: v for k, v in overrides.items() if v is not None})

@@ -165,7 +165,8 @@ class ShardCluster:
             "--port", str(port), "--port-file", str(port_file),
             "--row-cache-bytes", str(s.row_cache_bytes), "--block-cache-bytes", str(s.block_cache_bytes),
             "--threads", str(s.threads), "--max-ids-per-rpc", str(s.max_ids_per_rpc),
-            "--max-message-bytes", str(s.max_message_bytes), "--tier-dtype", self.tier_dtype,
+            "--max-message-bytes", str(s.max_message_bytes), "--max-bags-per-rpc", str(s.max_bags_per_rpc),
+            "--tier-dtype", self.tier_dtype,
         ]  # fmt: skip
         if self.load_from is not None:
             cmd += ["--load-from", str(self.load_from)]

@@ -62,7 +62,14 @@ class EmbeddingShardServicer:
     """
 
     def Lookup(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Rows (or, with `pooled`, fp32 partial sums per bag) of the ids this shard owns.
+        Contract: within one request an id appears at most once per (table, column
+        slice), over all TableLookup entries (a table's cold and hot ids may travel as
+        two entries with the full-row slice; the same id in entries for different warm
+        slices is not a duplicate). Duplicates, more than shard_server.max_bags_per_rpc
+        bags in a pooled request, and bytes that are not a valid LookupRequest are
+        answered INVALID_ARGUMENT; more than max_ids_per_rpc ids, RESOURCE_EXHAUSTED.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

@@ -243,14 +243,17 @@ def test_fault_parsing_and_counting() -> None:
 
 
 def test_repeated_cold_ids_are_served_and_cached_once(core: ShardCore) -> None:
-    """The wire contract asks for unique ids, but a repeat must not corrupt the row
+    """The wire contract asks for unique ids (ShardCore.lookup rejects repeats: see
+    test_shard_badinput.py), but a repeat reaching the tiers must not corrupt the row
     cache (one slot per id) nor change any answer."""
-    cold = core.tables["item"].layout.cold_ids
+    table = core.tables["item"]
+    cold = table.layout.cold_ids
     a, b = int(cold[10]), int(cold[11])
     ids = np.array([b, a, b, UNLOADED, b, a, UNLOADED])
-    cache = core.tables["item"].cold_cache
+    cache = table.cold_cache
     for _ in range(2):  # cold misses, then row-cache hits
-        rows, found, not_owned = answer(core, request(ids))
+        result = table.lookup(ids, 0, DIM, RowDType.FLOAT32)
+        rows, found, not_owned = result.rows, result.found.astype(bool), result.not_owned.astype(bool)
         assert found.tolist() == [True, True, True, False, True, True, False] and not not_owned.any()
         assert np.array_equal(rows[found], SRC[ids[found]]) and not rows[~found].any()
         assert cache.size == 2

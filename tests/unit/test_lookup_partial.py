@@ -17,6 +17,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recserve.lookup.client import LookupClient
 from recserve.lookup.reassemble import TableAssembly, resolve_callers
@@ -26,7 +27,6 @@ from recserve.sharding.plan import Tier
 from tests.unit.test_lookup_client import lost_count, lost_mask, run
 from tests.unit.test_lookup_fakes import FEATURES, TABLES, FakeShards, make_config, make_plan, make_weights, tier_ids
 from tests.unit.test_lookup_oracle import ebc_pooled, make_ebc, random_kjt
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 
 def test_partial_pooling_leaves_a_half_arrived_warm_row_out_of_every_column() -> None:

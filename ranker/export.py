@@ -1,0 +1,165 @@
+"""Export of trained models into a MODELS directory, under one ``model_version``.
+
+Layout (every ``.npy`` plain, memory-mappable)::
+
+    MODELS/manifest.json            format, model_version, catalog sizes, tables, features
+    MODELS/embeddings/<table>.npy   [rows, D] f32 shard tables, model-prefixed (dlrm_item…);
+                                    `recserve shard load --source MODELS` reads this folder
+    MODELS/embeddings/manifest.json model_version + tables (what each shard records)
+    MODELS/dense/<model>.pt         state dict of everything but the shard tables
+    MODELS/dense/<model>.json       model config, table rows, model_version
+    MODELS/index/item_vectors.npy   [N, d] f32 unit item-tower vectors (the FAISS index)
+    MODELS/index/manifest.json      model_version, rows, dim, metric
+    MODELS/serving/*.npy            item categories, item tags, user histories, log counts
+    MODELS/metrics.json, MODELS/cluster.toml  (written by ``recserve train``)
+
+``model_version`` is a hash of every exported weight, so it is the same for a rerun with
+the same seed and different for anything else; serving refuses shard tables whose
+recorded version differs from its dense weights' (:mod:`ranker.serving`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ranker.features import DENSE_FEATURES, ServingArrays, SparseFeature
+from ranker.models.dlrm import DLRM_FEATURES
+from ranker.models.two_tower import USER_TOWER_FEATURES
+from ranker.scoring import all_item_vectors, tables_of
+from ranker.scrubbed import ScrubbedCatalog
+from ranker.train import TrainedModels
+
+FORMAT = "recserve.models"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+MODELS = ("dlrm", "two_tower", "l3")
+# Tables that only the offline item tower reads stay in its dense checkpoint.
+OFFLINE_TABLES = frozenset({"tt_tag"})
+SERVING_ARRAYS = (
+    "item_category",
+    "item_tags.values",
+    "item_tags.offsets",
+    "user_history.values",
+    "user_history.offsets",
+    "item_counts",
+    "user_counts",
+    "category_counts",
+    "total_counts",
+)
+
+
+def online_features(models: TrainedModels) -> tuple[SparseFeature, ...]:
+    """Every feature a serving ranker looks up remotely, over the shard tables."""
+    return DLRM_FEATURES + USER_TOWER_FEATURES + models.l3.pooled_features + models.l3.unpooled_features
+
+
+def _modules(models: TrainedModels) -> dict[str, torch.nn.Module]:
+    return {"dlrm": models.dlrm, "two_tower": models.two_tower, "l3": models.l3}
+
+
+def _shard_tables(models: TrainedModels) -> dict[str, np.ndarray]:
+    out: dict[str, np.ndarray] = {}
+    for module in _modules(models).values():
+        for name, w in tables_of(module).items():  # type: ignore[arg-type]
+            if name not in OFFLINE_TABLES:
+                out[name] = w.detach().float().cpu().numpy()
+    return out
+
+
+def _dense_state(name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state dict minus its shard tables (those live in the shards)."""
+    shard_params = {id(w) for t, w in tables_of(module).items() if t not in OFFLINE_TABLES}  # type: ignore[arg-type]
+    params = dict(module.named_parameters())
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if not (k in params and id(params[k]) in shard_params)}
+
+
+def compute_model_version(models: TrainedModels) -> str:
+    """``m-<12 hex>``: sha256 over every exported weight in a fixed order."""
+    h = hashlib.sha256()
+    for name, module in _modules(models).items():
+        for key, value in sorted(module.state_dict().items()):
+            h.update(f"{name}.{key}:{list(value.shape)};".encode())
+            h.update(value.detach().float().cpu().contiguous().numpy().tobytes())
+    return "m-" + h.hexdigest()[:12]
+
+
+def _save(path: Path, array: np.ndarray) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, body: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def serving_array_dict(arrays: ServingArrays) -> dict[str, np.ndarray]:
+    c = arrays.counts
+    return {
+        "item_category": arrays.item_category,
+        "item_tags.values": arrays.item_tags.values,
+        "item_tags.offsets": arrays.item_tags.offsets,
+        "user_history.values": arrays.user_history.values,
+        "user_history.offsets": arrays.user_history.offsets,
+        "item_counts": c.item,
+        "user_counts": c.user,
+        "category_counts": c.category,
+        "total_counts": c.total,
+    }
+
+
+def export_models(models: TrainedModels, catalog: ScrubbedCatalog, out: Path | str) -> dict[str, Any]:
+    """Write ``models`` to ``out`` (see the module docstring); returns the manifest.
+
+    The top-level manifest is written last: a directory without one is an unfinished
+    export (an old one is removed first, so a crash never leaves it vouching for a mix).
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MANIFEST).unlink(missing_ok=True)
+    version = compute_model_version(models)
+    tables = _shard_tables(models)
+    for name, w in tables.items():
+        _save(out / "embeddings" / f"{name}.npy", w)
+    table_specs = {name: {"file": f"{name}.npy", "rows": int(w.shape[0]), "dim": int(w.shape[1]), "pooling": "mean"} for name, w in sorted(tables.items())}
+    _write_json(out / "embeddings" / MANIFEST, {"format": "recserve.embeddings", "model_version": version, "tables": table_specs})
+    for name, module in _modules(models).items():
+        (out / "dense").mkdir(exist_ok=True)
+        torch.save(_dense_state(name, module), out / "dense" / f"{name}.pt")
+        cfg = module.config  # type: ignore[attr-defined]
+        _write_json(
+            out / "dense" / f"{name}.json",
+            {"model": name, "model_version": version, "config": dataclasses.asdict(cfg), "table_rows": module.table_rows, "dense_features": list(DENSE_FEATURES)},  # type: ignore[attr-defined]
+        )
+    vectors = all_item_vectors(models.two_tower, models.arrays)
+    _save(out / "index" / "item_vectors.npy", vectors)
+    _write_json(out / "index" / MANIFEST, {"model_version": version, "rows": int(vectors.shape[0]), "dim": int(vectors.shape[1]), "metric": "inner_product", "normalized": True})
+    for name, array in serving_array_dict(models.arrays).items():
+        _save(out / "serving" / f"{name}.npy", array)
+    features = [{"name": f.name, "table": f.table, "source": f.source.value, "last": f.last} for f in online_features(models)]
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "model_version": version,
+        "catalog": {"items": catalog.num_items, "users": catalog.num_users, "categories": catalog.num_categories, "tags": catalog.num_tags, "fingerprint": catalog.fingerprint()},
+        "models": list(MODELS),
+        "tables": table_specs,
+        "features": features,
+        "train_seconds": models.seconds,
+        "train_losses": models.losses,
+    }
+    _write_json(out / MANIFEST, manifest)
+    return manifest

@@ -1,0 +1,229 @@
+"""Send random and truncated request bytes to every method of a running gRPC server.
+
+Every server this project runs is fuzzed with this from its integration tests::
+
+    from tests.grpc_fuzz import fuzz_server
+
+    report = fuzz_server(address, seed=0, check=lambda ch: my_stub(ch).Rank(good_request))
+
+:func:`fuzz_server` lists the server's services and methods through gRPC server
+reflection (so a server must register it: :func:`recserve.rpc.server.add_health_and_reflection`),
+and sends every unary-request method (unary and server-streaming responses; client- and
+bidi-streaming methods are skipped) a fixed-seed set of bodies:
+
+* fixed hostile ones: the single byte ``0xfe``, ``0xff`` runs, a length prefix far
+  beyond the body, the empty body;
+* random bytes of random length;
+* random *valid* messages of the method's request type (random scalars, nested messages,
+  repeated fields), cut at a random byte — and, when the caller passes ``examples``,
+  truncations of those real requests, which reach deeper into the servicer.
+
+Each body is first parsed locally with the reflected request type. A body that does not
+parse must be answered ``INVALID_ARGUMENT`` with the method's full name in the details;
+one that parses must never be answered ``UNKNOWN`` or ``INTERNAL`` (any other status is
+the servicer's business). Afterwards health must say SERVING for ``""`` and ``check``
+(a real request the caller knows must succeed) must pass. Every violation is collected
+and reported in one ``AssertionError``; the returned :class:`FuzzReport` lets a test
+also assert on coverage (which methods were reached, how many bodies were malformed).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool, message, message_factory
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+# Codes a request that parses must never get: they mean the servicer crashed.
+CRASH_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
+FIXED_BODIES = (
+    b"\xfe",  # a field number 31 with wire type 6: not a wire type at all
+    b"\xff" * 12,  # an unterminated varint tag
+    b"\x0a\xff\xff\xff\xff\x07",  # field 1, length-delimited, length ≈ 2 GiB
+    b"\x12\x05ab",  # field 2, length 5, only 2 bytes follow
+    b"",  # the default message (parses)
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One fuzzable method: ``path`` is ``/package.Service/Method``."""
+
+    path: str
+    request_type: type[message.Message]
+    server_streaming: bool
+
+
+@dataclasses.dataclass
+class MethodReport:
+    cases: int = 0
+    malformed: int = 0  # bodies that did not parse locally
+    codes: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+
+
+@dataclasses.dataclass
+class FuzzReport:
+    """Per method path: cases sent, how many were malformed, the status codes seen."""
+
+    methods: dict[str, MethodReport]
+    skipped: list[str]  # client-/bidi-streaming methods, not fuzzed
+
+
+def list_methods(channel: grpc.Channel, *, skip_services: Sequence[str] = ()) -> tuple[list[Method], list[str]]:
+    """Every method the server's reflection lists: (unary-request methods, skipped paths)."""
+    database = ProtoReflectionDescriptorDatabase(channel)
+    pool = descriptor_pool.DescriptorPool(database)
+    methods: list[Method] = []
+    skipped: list[str] = []
+    for service_name in sorted(database.get_services()):
+        if service_name in skip_services:
+            continue
+        service = pool.FindServiceByName(service_name)
+        for m in service.methods:
+            path = f"/{service.full_name}/{m.name}"
+            if m.client_streaming:
+                skipped.append(path)
+                continue
+            methods.append(Method(path, message_factory.GetMessageClass(m.input_type), bool(m.server_streaming)))
+    return methods, skipped
+
+
+def random_message(desc: Descriptor, rng: random.Random, depth: int = 2) -> message.Message:
+    """A random valid message of type ``desc``: each field set with probability 0.6,
+    repeated fields get 0-2 values, nesting stops at ``depth``."""
+    msg = message_factory.GetMessageClass(desc)()
+    for field in desc.fields:
+        if rng.random() > 0.6:
+            continue
+        if field.type == FieldDescriptor.TYPE_MESSAGE:
+            if depth <= 0 or field.message_type.GetOptions().map_entry:
+                continue
+            target = getattr(msg, field.name)
+            for _ in range(rng.randint(0, 2) if field.is_repeated else 1):
+                child = random_message(field.message_type, rng, depth - 1)
+                (target.add() if field.is_repeated else target).CopyFrom(child)
+            continue
+        values = [_scalar(field, rng) for _ in range(rng.randint(0, 2) if field.is_repeated else 1)]
+        if field.is_repeated:
+            getattr(msg, field.name).extend(values)
+        else:
+            setattr(msg, field.name, values[0])
+    return msg
+
+
+def _scalar(field: FieldDescriptor, rng: random.Random) -> Any:
+    t = field.type
+    if t in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
+        return rng.choice([0.0, -1.0, 1e30, float("nan"), float("inf"), rng.uniform(-1e3, 1e3)])
+    if t == FieldDescriptor.TYPE_BOOL:
+        return rng.random() < 0.5
+    if t == FieldDescriptor.TYPE_STRING:
+        return "".join(rng.choice("abcxyz_é0") for _ in range(rng.randint(0, 8)))
+    if t == FieldDescriptor.TYPE_BYTES:
+        return rng.randbytes(rng.randint(0, 32))
+    if t == FieldDescriptor.TYPE_ENUM:
+        return rng.choice([v.number for v in field.enum_type.values] + [99])  # open enums take unknown values
+    if t in (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_FIXED32):
+        return rng.choice([0, 1, 2**32 - 1, rng.randint(0, 1000)])
+    if t in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED64):
+        return rng.choice([0, 1, 2**64 - 1, rng.randint(0, 1000)])
+    if t in (FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_SINT32, FieldDescriptor.TYPE_SFIXED32):
+        return rng.choice([0, -1, 2**31 - 1, -(2**31), rng.randint(-1000, 1000)])
+    return rng.choice([0, -1, 2**63 - 1, -(2**63), rng.randint(-1000, 1000)])  # 64-bit signed
+
+
+def bodies(method: Method, rng: random.Random, cases: int, examples: Sequence[message.Message] = ()) -> list[bytes]:
+    """``cases`` request bodies for ``method`` (the fixed ones first, then random bytes,
+    truncated random messages and truncated ``examples`` in turn)."""
+    out = list(FIXED_BODIES[:cases])
+    while len(out) < cases:
+        kind = len(out) % 3
+        if kind == 0:
+            out.append(rng.randbytes(rng.randint(1, 64)))
+            continue
+        if kind == 2 and examples:
+            full = rng.choice(list(examples)).SerializeToString()
+        else:
+            full = random_message(method.request_type.DESCRIPTOR, rng).SerializeToString()
+        out.append(full[: rng.randint(0, max(len(full) - 1, 0))] if full else rng.randbytes(3))
+    return out
+
+
+def _parses(request_type: type[message.Message], body: bytes) -> bool:
+    try:
+        request_type.FromString(body)
+    except message.DecodeError:
+        return False
+    return True
+
+
+def _call(channel: grpc.Channel, method: Method, body: bytes, timeout_s: float) -> tuple[grpc.StatusCode, str]:
+    """Send ``body`` raw; a streaming call is cancelled after its first response."""
+    try:
+        if method.server_streaming:
+            call = channel.unary_stream(method.path)(body, timeout=timeout_s)
+            for _ in call:
+                call.cancel()
+                break
+            return grpc.StatusCode.OK, ""
+        channel.unary_unary(method.path)(body, timeout=timeout_s)
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as exc:
+        code = exc.code()  # type: ignore[attr-defined]
+        if method.server_streaming and code == grpc.StatusCode.CANCELLED:
+            return grpc.StatusCode.OK, ""  # our own cancel after the first response
+        return code, str(exc.details())  # type: ignore[attr-defined]
+
+
+def fuzz_server(
+    address: str,
+    *,
+    seed: int = 0,
+    cases_per_method: int = 32,
+    timeout_s: float = 10.0,
+    examples: Mapping[str, Sequence[message.Message]] | None = None,
+    check: Callable[[grpc.Channel], Any] | None = None,
+    skip_services: Sequence[str] = (),
+    options: Sequence[tuple[str, Any]] = (),
+) -> FuzzReport:
+    """Fuzz every unary-request method of the server at ``address`` (see the module
+    docstring). ``examples``: real requests per method path, whose truncations are sent
+    too. ``check``: called with a channel after the fuzzing; raise if the server no
+    longer serves. Raises AssertionError listing every violation."""
+    failures: list[str] = []
+    report = FuzzReport(methods={}, skipped=[])
+    with grpc.insecure_channel(address, options=list(options)) as channel:
+        methods, report.skipped = list_methods(channel, skip_services=skip_services)
+        for method in methods:
+            # One stream per method, seeded by its name: adding a method changes no other's cases.
+            rng = random.Random(seed * 1_000_003 + zlib.crc32(method.path.encode()))
+            stats = report.methods.setdefault(method.path, MethodReport())
+            for body in bodies(method, rng, cases_per_method, (examples or {}).get(method.path, ())):
+                parses = _parses(method.request_type, body)
+                code, details = _call(channel, method, body, timeout_s)
+                stats.cases += 1
+                stats.malformed += not parses
+                stats.codes[code.name] += 1
+                if not parses and (code != grpc.StatusCode.INVALID_ARGUMENT or method.path not in details):
+                    failures.append(f"{method.path} body {body[:24].hex()} ({len(body)} B, malformed): {code.name} {details[:200]!r}")
+                elif parses and code in CRASH_CODES:
+                    failures.append(f"{method.path} body {body[:24].hex()} ({len(body)} B, parses): {code.name} {details[:200]!r}")
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
+        if health.status != health_pb2.HealthCheckResponse.SERVING:
+            failures.append(f"after fuzzing, health is {health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)}, not SERVING")
+        if check is not None:
+            try:
+                check(channel)
+            except Exception as exc:  # noqa: BLE001  (reported with the rest)
+                failures.append(f"after fuzzing, the check request failed: {exc!r}")
+    if failures:
+        raise AssertionError(f"{len(failures)} fuzz violation(s) on {address}:\n" + "\n".join(failures))
+    return report

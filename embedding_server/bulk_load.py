@@ -15,9 +15,14 @@ regenerated source) into a store that holds upserts newer than its last load is 
 (FailedPrecondition naming both) unless ``overwrite``: the source arrays lack those rows.
 
 Sources (:func:`open_source`): a directory of ``<table>.npy`` files (or its
-``embeddings/`` subdirectory; a catalog directory's ``<table>_vectors.npy`` also
-matches), an ``.npz`` keyed by table name, or one ``.npy`` when the plan has a single
-table; arrays are memory-mapped, ``[rows, dim]`` float.
+``embeddings/`` subdirectory, as ``recserve train`` exports them), an ``.npz`` keyed by
+table name, or one ``.npy`` when the plan has a single table; arrays are memory-mapped,
+``[rows, dim]`` float. A catalog's ``<table>_vectors.npy`` is never a source: those are
+the click model's ground truth, and a shard must not serve them by accident.
+
+Model versions: a source directory whose ``manifest.json`` carries a ``model_version``
+(an export's ``embeddings/manifest.json``) stamps it on the load record;
+:func:`table_model_versions` reads back the version each table was last loaded from.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import hashlib
+import json
 import logging
 import shutil
 import tempfile
@@ -41,7 +47,7 @@ from embedding_server.manifest import check_no_upserts_lost, manifest_key, read_
 from embedding_server.store import RowStore, sst_options
 from recserve.errors import ConfigError, InvalidArgument
 
-__all__ = ["LoadMethod", "LoadReport", "bulk_load", "manifest_key", "open_source", "read_manifest"]
+__all__ = ["LoadMethod", "LoadReport", "bulk_load", "manifest_key", "open_source", "read_manifest", "source_model_version", "table_model_versions"]
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +79,7 @@ def open_source(path: str | Path, tables: list[str]) -> tuple[dict[str, np.ndarr
     files: dict[str, Path] = {}
     if src.is_dir():
         base = src / "embeddings" if (src / "embeddings").is_dir() else src
-        # <table>.npy, else a catalog's <table>_vectors.npy (item -> item_vectors.npy).
-        files = {t: base / f"{t}.npy" if (base / f"{t}.npy").exists() or not (base / f"{t}_vectors.npy").exists() else base / f"{t}_vectors.npy" for t in tables}
+        files = {t: base / f"{t}.npy" for t in tables}
     elif src.suffix == ".npz":
         files = {t: src for t in tables}
     elif src.suffix == ".npy" and len(tables) == 1:
@@ -98,6 +103,36 @@ def open_source(path: str | Path, tables: list[str]) -> tuple[dict[str, np.ndarr
         stat = file.stat()
         digest.update(f"{file.resolve()}:{stat.st_size}:{stat.st_mtime_ns};".encode())
     return arrays, digest.hexdigest()[:16]
+
+
+def source_model_version(path: str | Path) -> str:
+    """The ``model_version`` in a source directory's ``manifest.json`` (its
+    ``embeddings/`` subdirectory first, as :func:`open_source` reads it); '' when the
+    source carries none."""
+    src = Path(path)
+    if not src.is_dir():
+        return ""
+    base = src / "embeddings" if (src / "embeddings").is_dir() else src
+    try:
+        body = json.loads((base / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return ""
+    version = body.get("model_version") if isinstance(body, dict) else None
+    return version if isinstance(version, str) else ""
+
+
+def table_model_versions(store: RowStore) -> dict[str, str]:
+    """table -> ``model_version`` of its newest recorded *load* ('' = an unversioned
+    source). Records without a version field (migrations) keep the loaded version."""
+    newest: dict[str, tuple[float, str]] = {}
+    for record in read_manifest(store).values():
+        if "model_version" not in record:
+            continue
+        when = float(record.get("finished_unix_s", 0.0))
+        for table in record.get("rows", {}):
+            if table not in newest or when >= newest[table][0]:
+                newest[table] = (when, str(record["model_version"]))
+    return {t: v for t, (_, v) in newest.items()}
 
 
 def _check_source(layouts: Mapping[str, TableLayout], source: Mapping[str, np.ndarray]) -> None:
@@ -142,13 +177,15 @@ def bulk_load(
     force: bool = False,
     overwrite: bool = False,
     progress: bool = True,
+    model_version: str = "",
 ) -> LoadReport:
     """Load this shard's owned rows of every table from ``source`` (table -> [rows, dim]).
 
     Skipped (``skipped=True``) when the manifest already records this load and not
     ``force``. Refused (FailedPrecondition) when the store holds upserts newer than its
     last load, unless ``overwrite`` (or ``force``, which re-runs a load regardless).
-    The manifest entry is written only after the rows are durable.
+    The manifest entry is written only after the rows are durable; it records
+    ``model_version`` (:func:`source_model_version` of the source).
     """
     from tqdm import tqdm
 
@@ -176,7 +213,7 @@ def bulk_load(
             store.flush()  # WAL-less rows must reach SST files before the load is recorded
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    record_load(store, key, {"kind": "load", "rows": written, "method": method.value, "wal": False})
+    record_load(store, key, {"kind": "load", "rows": written, "method": method.value, "wal": False, "model_version": model_version})
     return LoadReport(key=key, skipped=False, rows_written=written, seconds=time.monotonic() - start, method=method, overwritten_upserts=state.pending_upserts)
 
 

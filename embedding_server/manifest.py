@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import re
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ from embedding_server.store import RowStore, UpsertCounter
 from recserve.errors import FailedPrecondition
 
 MANIFEST_KEY = "load_manifest"
+_KEY_TAIL = re.compile(r"\|plan=(\d+)\|shard=(\d+)$")
 
 
 def read_manifest(store: RowStore) -> dict[str, dict[str, Any]]:
@@ -42,6 +44,13 @@ def read_manifest(store: RowStore) -> dict[str, dict[str, Any]]:
 
 def manifest_key(source_id: str, plan_version: int, shard_id: int) -> str:
     return f"{source_id}|plan={plan_version}|shard={shard_id}"
+
+
+def key_plan_shard(key: str) -> tuple[int, int] | None:
+    """(plan version, shard id) a :func:`manifest_key` was written for; None when ``key``
+    is not of that form. Example: ``"src|plan=2|shard=1"`` -> ``(2, 1)``."""
+    match = _KEY_TAIL.search(key)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
 
 
 def record_load(store: RowStore, key: str, record: dict[str, Any], *, carried_upserts: int = 0, carried_rows: int = 0) -> None:

@@ -12,6 +12,9 @@ RocksDB's lock, so a shard still running fails the migration with a clear error 
 of letting it miss that shard's later upserts. The old stores are only read; the new
 stores are separate directories (copying, not moving in place, so a crash half-way
 cannot lose the only copy of a row, and the old directories stay as the rollback).
+Each old store's newest manifest record must name its own slot and a plan no later than
+``--from-plan`` (:func:`check_old_stores`): rows are read where the old plan places
+them, so a wrong plan or swapped directories would otherwise drop rows silently.
 
 Work is vectorised per id-range chunk: every old owner's rows of the chunk are read with
 multi-gets into one full-width buffer plus a per-column "held" mask, then each new
@@ -38,7 +41,7 @@ import numpy as np
 
 from embedding_server.codec import encode_keys, encode_values
 from embedding_server.layout import TableLayout, layouts_from_plan
-from embedding_server.manifest import check_no_upserts_lost, manifest_key, record_load, store_state
+from embedding_server.manifest import StoreState, check_no_upserts_lost, key_plan_shard, manifest_key, record_load, store_state
 from embedding_server.store import RowStore
 from recserve.errors import ConfigError
 from recserve.sharding.plan import ShardingPlan
@@ -80,6 +83,26 @@ def check_plans(old: ShardingPlan, new: ShardingPlan) -> list[str]:
         if (o.rows, o.dim) != (t.rows, t.dim):
             raise ConfigError(f"table {name!r} is [{o.rows:,}, {o.dim}] in plan v{old.version} but [{t.rows:,}, {t.dim}] in plan v{new.version}; a migration cannot reshape rows")
     return sorted(set(old.tables) - set(new.tables))
+
+
+def check_old_stores(old: ShardingPlan, stores: Sequence[RowStore], states: Sequence[StoreState]) -> None:
+    """Raise ConfigError when an old store's newest manifest record shows it was not
+    shard ``i`` of plan ``old`` (or an earlier version of it): the migration reads each
+    store's rows where ``old`` places them, so a wrong ``--from-plan`` or a swapped data
+    directory would silently drop the rows (upserts included) it looks for elsewhere.
+    A store with no record (never loaded) and one loaded under an *earlier* version
+    (a plan bump served without a re-load) pass."""
+    for i, (store, state) in enumerate(zip(stores, states)):
+        recorded = None if state.last_key is None else key_plan_shard(state.last_key)
+        if recorded is None:
+            continue
+        version, shard = recorded
+        if shard != i or version > old.version:
+            raise ConfigError(
+                f"old store {str(store.path)!r} is slot {i} of plan v{old.version}, but its last load {state.last_key!r} "
+                f"was for shard {shard} of plan v{version}; pass the plan those shards served as --from-plan "
+                "and each shard's own data directory"
+            )
 
 
 def _in_range(layout: TableLayout, lo: int, hi: int) -> list[tuple[np.ndarray, int, int]]:
@@ -133,6 +156,7 @@ def migrate(
         for j, store in enumerate(new_stores):
             check_no_upserts_lost(store, keys[j], shard_id=j, action="migrate", rerun_ok=True)
     states = [store_state(s) for s in old_stores]
+    check_old_stores(old_plan, old_stores, states)
     carried = sum(s.pending_upserts for s in states)
     carried_rows = sum(s.new_rows + s.carried_rows for s in states)
     old_layouts = [layouts_from_plan(old_plan, i) for i in range(old_plan.num_shards)]

@@ -30,7 +30,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from embedding_server.bulk_load import bulk_load, open_source
+from embedding_server.bulk_load import bulk_load, open_source, source_model_version, table_model_versions
 from embedding_server.config import ShardProcessConfig
 from embedding_server.fault import FaultInjector, hook_enabled_by_env
 from embedding_server.layout import TableLayout, layouts_from_plan
@@ -80,10 +80,10 @@ def load_core(config: ShardProcessConfig, plan: ShardingPlan, layouts: dict[str,
             source, source_id = open_source(config.load_from, sorted(layouts))
             report = bulk_load(
                 store, layouts, source, source_id=source_id, plan_version=plan.version, shard_id=config.shard_id,
-                overwrite=config.overwrite_upserts, progress=False,
+                overwrite=config.overwrite_upserts, progress=False, model_version=source_model_version(config.load_from),
             )  # fmt: skip
             log.info("shard %d bulk load %s: skipped=%s rows=%s", config.shard_id, report.key, report.skipped, report.rows_written)
-        return ShardCore(
+        core = ShardCore(
             config.shard_id,
             plan.version,
             store,
@@ -94,6 +94,9 @@ def load_core(config: ShardProcessConfig, plan: ShardingPlan, layouts: dict[str,
             max_bags_per_rpc=config.server.max_bags_per_rpc,
             default_value=config.default_value,
         )
+        # What ShardInfo / GetPlan report: the export each table was last loaded from.
+        core.model_versions = table_model_versions(store)
+        return core
     except BaseException:
         store.close()
         raise

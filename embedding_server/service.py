@@ -179,4 +179,5 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         )
 
     async def GetPlan(self, request: embedding_pb2.GetPlanRequest, context: grpc.aio.ServicerContext) -> embedding_pb2.GetPlanResponse:
-        return embedding_pb2.GetPlanResponse(plan_version=self.plan_version, plan_json=self.plan_json)
+        versions = {name: self.core.model_versions.get(name, "") for name in self.core.tables} if self.core else {}
+        return embedding_pb2.GetPlanResponse(plan_version=self.plan_version, plan_json=self.plan_json, table_model_versions=versions)

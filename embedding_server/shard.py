@@ -113,6 +113,9 @@ class ShardCore:
         self.max_ids_per_rpc = max_ids_per_rpc
         self.max_bags_per_rpc = max_bags_per_rpc
         self.clock = clock
+        # table -> model_version of the export it was loaded from ('' = unversioned);
+        # set by the server from the load manifest, reported by ShardInfo / GetPlan.
+        self.model_versions: dict[str, str] = {}
         # The row-cache budget is shared by tables in proportion to their cold bytes.
         cold_bytes = {n: len(l.cold_ids) * l.dim for n, l in layouts.items()}
         total = sum(cold_bytes.values()) or 1
@@ -228,7 +231,7 @@ class ShardCore:
 
     def tier_info(self) -> list[embedding_pb2.TableTierInfo]:
         return [
-            embedding_pb2.TableTierInfo(table=name, rows=t.rows, dim=t.dim, **t.tier_sizes())
+            embedding_pb2.TableTierInfo(table=name, rows=t.rows, dim=t.dim, model_version=self.model_versions.get(name, ""), **t.tier_sizes())
             for name, t in sorted(self.tables.items())
         ]
 

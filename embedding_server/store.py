@@ -134,9 +134,13 @@ class RowStore:
         """Upsert: atomically write ``(table, ids [N], rows fp32 [N, W], col_start, col_end)``
         groups in one WAL-logged batch: durable against a process kill once it returns
         (and against power loss with ``sync_writes``). The same batch bumps the
-        :class:`UpsertCounter`, so no acknowledged upsert goes uncounted."""
-        batch = self._batch(writes)  # encoded outside the lock: upserts of other tables overlap
+        :class:`UpsertCounter`, so no acknowledged upsert goes uncounted. Writing no rows
+        (an empty Upsert) is a no-op: counting it would make a later re-plan load refuse
+        to overwrite upserts that hold nothing."""
         rows = sum(len(ids) for _, ids, _, _, _ in writes)
+        if rows == 0:
+            return
+        batch = self._batch(writes)  # encoded outside the lock: upserts of other tables overlap
         with self._counter_lock:
             counter = UpsertCounter(self._upserts.seq + 1, self._upserts.rows + rows)
             batch.put(UPSERT_COUNTER_KEY, _COUNTER.pack(counter.seq, counter.rows))  # default family

@@ -24,7 +24,7 @@ benchmarks use.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from recserve.scheduling import (
 )
 
 from generation import policy as policy_module
+from generation.blocks import BlockTable
 from generation.config import GenerationConfig
 from generation.kv_cache import PagedKvCache
 from generation.model import AttnGroup, DecodeGroup, PagedStep, TinyDecoder, resolve_device
@@ -45,10 +46,14 @@ from generation.types import GenerationRequest, SequenceState
 class DecodeEngine:
     """Runs continuous-batching steps of ``model`` over ``cache`` (see the module doc)."""
 
-    def __init__(self, model: TinyDecoder, cache: PagedKvCache) -> None:
+    def __init__(self, model: TinyDecoder, cache: PagedKvCache, *, padding: Callable[[], Sequence[BlockTable]] | None = None) -> None:
+        """``padding`` (the static baseline only): block tables of finished members whose
+        slot a fixed-width batch keeps computing; each step runs one discarded token for
+        each, so static batching pays for its padded rows as a fixed-width kernel does."""
         self.model = model.eval()
         self.cache = cache
-        self.device = cache.k.device
+        self.padding = padding
+        self.device = cache.kv.device
         self.block_tokens = cache.block_tokens
         self.max_seq_len = model.config.max_seq_len
         self.steps = 0
@@ -70,7 +75,10 @@ class DecodeEngine:
     def run_batch(self, batch: Batch) -> list[Outcome]:
         """One model step for every sequence of ``batch`` -> one outcome each."""
         handles = batch.handles
-        step, sampled, states = self._build_step(handles)
+        pad = list(self.padding()) if self.padding is not None else []
+        step, sampled, states = self._build_step(handles, pad)
+        for table in pad:
+            table.computed += 1  # the padded row's token is written and ignored
         with torch.inference_mode():
             self.cache.copy_blocks([pair for h in handles for pair in h.policy_data.copies])
             logits = self.model.forward_paged(step, self.cache)
@@ -106,10 +114,11 @@ class DecodeEngine:
             return Done(state.generated.copy())
         return Continue(partial_output=token, new_cost=float(state.length))
 
-    def _build_step(self, handles: tuple[Handle, ...]) -> tuple[PagedStep, np.ndarray, list[SequenceState]]:
-        """Flat step tensors from the handles' block tables; also which sequences sample
-        ([S] bool) and their states."""
-        s = len(handles)
+    def _build_step(self, handles: tuple[Handle, ...], pad: Sequence[BlockTable] = ()) -> tuple[PagedStep, np.ndarray, list[SequenceState]]:
+        """Flat step tensors from the handles' block tables (then one token per padding
+        row); also which of the handles sample ([len(handles)] bool) and their states."""
+        n_real = len(handles)
+        s = n_real + len(pad)
         starts = np.empty(s, dtype=np.int64)
         lens = np.empty(s, dtype=np.int64)
         known = np.empty(s, dtype=np.int64)
@@ -128,6 +137,10 @@ class DecodeEngine:
             starts[i], lens[i], known[i], widths[i] = start, n, state.length, len(table.blocks)
             states.append(state)
             chunks.append(state.tokens[start : start + n])
+            tables.append(table.blocks)
+        for j, table in enumerate(pad, start=n_real):  # padding rows: one ignored token each, never sampled
+            starts[j], lens[j], known[j], widths[j] = table.computed, 1, table.computed + 2, len(table.blocks)
+            chunks.append(np.zeros(1, dtype=np.int64))
             tables.append(table.blocks)
         bt = self.block_tokens
         table_mat = np.zeros((s, int(widths.max())), dtype=np.int64)
@@ -149,7 +162,7 @@ class DecodeEngine:
             prefill=self._prefill_group(pre, starts, lens, ctx, first, table_mat) if pre.size else None,
             sample_index=torch.from_numpy((first + lens - 1)[sampled]).to(dev),
         )
-        return step, sampled, states
+        return step, sampled[:n_real], states
 
     def _decode_group(self, idx: np.ndarray, ctx: np.ndarray, first: np.ndarray, table_mat: np.ndarray) -> DecodeGroup:
         """Ragged attention inputs for the one-token sequences ``idx`` (see :class:`DecodeGroup`)."""

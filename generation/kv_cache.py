@@ -1,7 +1,7 @@
 """The physical paged KV pool: one preallocated tensor pair for every layer.
 
-``k`` and ``v`` are [L, (num_blocks + 1) × block_tokens, H, Dh] in the model's dtype on its
-device; token ``p`` of a sequence lives at slot ``blocks[p // B] * B + p % B`` of its
+``kv`` is [L, (num_blocks + 1) × block_tokens, 2, H, Dh] (K then V of each slot side by
+side, so one gather reads both) in the model's dtype on its device; token ``p`` of a sequence lives at slot ``blocks[p // B] * B + p % B`` of its
 :class:`~generation.blocks.BlockTable`. Which block belongs to whom is decided by
 :class:`~generation.blocks.BlockPool` (no torch); this class only holds bytes and copies
 blocks for copy-on-write.
@@ -22,15 +22,15 @@ class PagedKvCache:
         self.num_blocks = kv.num_blocks
         # One extra block at the end, the null block: never allocated, never written;
         # padded attention reads point there.
-        shape = (model.n_layers, (kv.num_blocks + 1) * kv.block_tokens, model.n_heads, model.head_dim)
+        shape = (model.n_layers, (kv.num_blocks + 1) * kv.block_tokens, 2, model.n_heads, model.head_dim)
         self.null_slot = kv.num_blocks * kv.block_tokens
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
         """Bytes of the usable pool (without the null block)."""
-        return self.null_slot * self.k.shape[0] * self.k.shape[2] * self.k.shape[3] * self.k.element_size() * 2
+        per_slot = self.kv[0, 0].numel() * self.kv.element_size()
+        return self.null_slot * self.kv.shape[0] * per_slot
 
     def block_slots(self, blocks: torch.Tensor) -> torch.Tensor:
         """[n] block ids -> [n × B] slot ids, block by block."""
@@ -42,7 +42,6 @@ class PagedKvCache:
         the step that writes into ``dst``."""
         if not pairs:
             return
-        ids = torch.tensor(pairs, dtype=torch.int64, device=self.k.device)
+        ids = torch.tensor(pairs, dtype=torch.int64, device=self.kv.device)
         src, dst = self.block_slots(ids[:, 0]), self.block_slots(ids[:, 1])
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        self.kv[:, dst] = self.kv[:, src]

@@ -107,11 +107,10 @@ class PagedStep:
 
 
 class KvPool(Protocol):
-    """The physical pool the paged path reads and writes: ``k``/``v`` [L, slots, H, Dh]
+    """The physical pool the paged path reads and writes: ``kv`` [L, slots, 2, H, Dh]
     with slots = blocks × block_tokens (see :class:`generation.kv_cache.PagedKvCache`)."""
 
-    k: torch.Tensor
-    v: torch.Tensor
+    kv: torch.Tensor
 
 
 class DecoderLayer(nn.Module):
@@ -142,22 +141,20 @@ class DecoderLayer(nn.Module):
         x = x + self.proj(out.reshape(x.shape))
         return self._mlp(x)
 
-    def forward_paged(self, x: torch.Tensor, step: PagedStep, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        """``x`` [N, D]; ``k_pool``/``v_pool`` [slots, H, Dh] of this layer -> [N, D]."""
+    def forward_paged(self, x: torch.Tensor, step: PagedStep, pool: torch.Tensor) -> torch.Tensor:
+        """``x`` [N, D]; ``pool`` [slots, 2, H, Dh]: this layer's K/V -> [N, D]."""
         q, k, v = self._qkv(x)
         # Write the step's K/V first: a prefill chunk's tokens attend to each other.
-        k_pool.index_copy_(0, step.write_slots, k)
-        v_pool.index_copy_(0, step.write_slots, v)
+        pool.index_copy_(0, step.write_slots, torch.stack((k, v), dim=1))
         out = torch.zeros_like(q)
         d = step.decode
         if d is not None:
-            out[d.q_rows] = attend_ragged(q[d.q_rows], k_pool.index_select(0, d.key_slots), v_pool.index_select(0, d.key_slots), d.key_seq)
+            kv = pool.index_select(0, d.key_slots)  # [K, 2, H, Dh]: one gather for K and V
+            out[d.q_rows] = attend_ragged(q[d.q_rows], kv[:, 0], kv[:, 1], d.key_seq)
         g = step.prefill
         if g is not None:
-            shape = (*g.q_index.shape[:1], -1, *k_pool.shape[1:])  # [G, C, H, Dh]
-            kg = k_pool.index_select(0, g.ctx_slots).view(shape)
-            vg = v_pool.index_select(0, g.ctx_slots).view(shape)
-            og = attend(q[g.q_index], kg, vg, g.mask)
+            kv = pool.index_select(0, g.ctx_slots).view(g.q_index.shape[0], -1, *pool.shape[1:])  # [G, C, 2, H, Dh]
+            og = attend(q[g.q_index], kv[:, :, 0], kv[:, :, 1], g.mask)
             out[g.q_index[g.q_valid]] = og[g.q_valid]
         x = x + self.proj(out.reshape(x.shape))
         return self._mlp(x)
@@ -209,5 +206,5 @@ class TinyDecoder(nn.Module):
         x = self.tok(step.tokens) + self.pos(step.positions)
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         for i, layer in enumerate(layers):
-            x = layer.forward_paged(x, step, pool.k[i], pool.v[i])
+            x = layer.forward_paged(x, step, pool.kv[i])
         return self._logits(x[step.sample_index])

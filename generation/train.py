@@ -114,7 +114,7 @@ def train_lm(corpus: str, model_config: ModelConfig = LM_CONFIG, train: TrainCon
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if progress is not None:
             progress(step, losses[-1])
     return model.cpu().eval(), losses

@@ -31,8 +31,9 @@ import numpy as np
 import torch
 
 from ranker.features import DENSE_FEATURES, ServingArrays, SparseFeature
-from ranker.models.dlrm import DLRM_FEATURES
-from ranker.models.two_tower import USER_TOWER_FEATURES
+from ranker.models.dlrm import DLRM_FEATURES, DlrmRanker
+from ranker.models.l3 import L3Reranker
+from ranker.models.two_tower import USER_TOWER_FEATURES, TwoTower
 from ranker.scoring import all_item_vectors, tables_of
 from ranker.scrubbed import ScrubbedCatalog
 from ranker.train import TrainedModels
@@ -61,22 +62,22 @@ def online_features(models: TrainedModels) -> tuple[SparseFeature, ...]:
     return DLRM_FEATURES + USER_TOWER_FEATURES + models.l3.pooled_features + models.l3.unpooled_features
 
 
-def _modules(models: TrainedModels) -> dict[str, torch.nn.Module]:
+def _modules(models: TrainedModels) -> dict[str, DlrmRanker | TwoTower | L3Reranker]:
     return {"dlrm": models.dlrm, "two_tower": models.two_tower, "l3": models.l3}
 
 
 def _shard_tables(models: TrainedModels) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for module in _modules(models).values():
-        for name, w in tables_of(module).items():  # type: ignore[arg-type]
+        for name, w in tables_of(module).items():
             if name not in OFFLINE_TABLES:
                 out[name] = w.detach().float().cpu().numpy()
     return out
 
 
-def _dense_state(name: str, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _dense_state(module: DlrmRanker | TwoTower | L3Reranker) -> dict[str, torch.Tensor]:
     """The module's state dict minus its shard tables (those live in the shards)."""
-    shard_params = {id(w) for t, w in tables_of(module).items() if t not in OFFLINE_TABLES}  # type: ignore[arg-type]
+    shard_params = {id(w) for t, w in tables_of(module).items() if t not in OFFLINE_TABLES}
     params = dict(module.named_parameters())
     return {k: v.detach().cpu().clone() for k, v in module.state_dict().items() if not (k in params and id(params[k]) in shard_params)}
 
@@ -138,11 +139,10 @@ def export_models(models: TrainedModels, catalog: ScrubbedCatalog, out: Path | s
     _write_json(out / "embeddings" / MANIFEST, {"format": "recserve.embeddings", "model_version": version, "tables": table_specs})
     for name, module in _modules(models).items():
         (out / "dense").mkdir(exist_ok=True)
-        torch.save(_dense_state(name, module), out / "dense" / f"{name}.pt")
-        cfg = module.config  # type: ignore[attr-defined]
+        torch.save(_dense_state(module), out / "dense" / f"{name}.pt")
         _write_json(
             out / "dense" / f"{name}.json",
-            {"model": name, "model_version": version, "config": dataclasses.asdict(cfg), "table_rows": module.table_rows, "dense_features": list(DENSE_FEATURES)},  # type: ignore[attr-defined]
+            {"model": name, "model_version": version, "config": dataclasses.asdict(module.config), "table_rows": module.table_rows, "dense_features": list(DENSE_FEATURES)},
         )
     vectors = all_item_vectors(models.two_tower, models.arrays)
     _save(out / "index" / "item_vectors.npy", vectors)

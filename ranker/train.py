@@ -33,7 +33,7 @@ from ranker.models.common import to_tensor
 from ranker.models.dlrm import DlrmRanker, dlrm_table_rows
 from ranker.models.l3 import L3Reranker
 from ranker.models.two_tower import USER_TOWER_FEATURES, TwoTower
-from ranker.scoring import dlrm_logits, item_vectors, l3_logits, resolve_device
+from ranker.scoring import dlrm_logits, item_vectors, l3_logits, resolve_device, tables_of
 from ranker.scrubbed import ScrubbedCatalog
 
 log = logging.getLogger(__name__)
@@ -78,6 +78,15 @@ def _batches(n: int, batch: int, rng: np.random.Generator, cap: int) -> Iterator
         yield np.sort(order[lo : lo + batch])  # sorted rows read the memory-mapped log in order
 
 
+def _optimizers(model: torch.nn.Module, lr: float) -> list[torch.optim.Optimizer]:
+    """SparseAdam for the embedding tables (sparse gradients: only looked-up rows move),
+    Adam for the dense layers."""
+    tables = list(tables_of(model).values())  # type: ignore[arg-type]
+    table_ids = {id(t) for t in tables}
+    dense = [p for p in model.parameters() if id(p) not in table_ids]
+    return [torch.optim.SparseAdam(tables, lr=lr), torch.optim.Adam(dense, lr=lr)]
+
+
 def _fit(
     name: str,
     model: torch.nn.Module,
@@ -89,7 +98,7 @@ def _fit(
 ) -> float:
     """Adam over ``epochs`` passes of ``n_rows`` rows; ``step(rows)`` returns the loss of
     a batch of row indices. Returns the last epoch's mean loss."""
-    opt = torch.optim.Adam(model.parameters(), lr=config.lr)
+    opts = _optimizers(model, config.tt_lr if name == "two_tower" else config.lr)
     model.train()
     mean = float("nan")
     for epoch in range(epochs):
@@ -100,9 +109,11 @@ def _fit(
         with bar:
             for rows in _batches(n_rows, batch, rng, config.max_rows):
                 loss = step(rows)
-                opt.zero_grad(set_to_none=True)
+                for opt in opts:
+                    opt.zero_grad(set_to_none=True)
                 loss.backward()  # type: ignore[no-untyped-call]
-                opt.step()
+                for opt in opts:
+                    opt.step()
                 losses.append(float(loss.detach()))
                 bar.update(len(rows))
                 if len(losses) % 10 == 0:

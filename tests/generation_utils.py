@@ -73,6 +73,9 @@ class DecodeHarness:
         sched, engine = build(cfg, self.model, admission=admission)
         if policy is not None:
             sched = Scheduler(policy, admission)
+            padding = getattr(policy, "padding_rows", None)
+            if padding is not None:
+                engine.padding = padding
         self.sched: Scheduler = sched
         self.engine: DecodeEngine = engine
         self.policy: PagedPolicy = sched.policy  # type: ignore[assignment]
@@ -109,6 +112,7 @@ class DecodeHarness:
         """Every reference is held by a live sequence; free + used = the pool."""
         pool = self.policy.pool
         held = [h.policy_data for h in self.handles.values() if h.policy_data is not None]
+        held += getattr(self.policy, "_padding", [])  # the static baseline's padded rows
         assert all(not h.done for h in self.handles.values() if h.policy_data is not None)
         assert int(pool.refcount.sum()) == sum(len(t.blocks) for t in held)
         assert int((pool.refcount > 0).sum()) == pool.used_count

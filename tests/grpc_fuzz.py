@@ -15,8 +15,8 @@ bidi-streaming methods are skipped) a fixed-seed set of bodies:
   beyond the body, the empty body;
 * random bytes of random length;
 * random *valid* messages of the method's request type (random scalars, nested messages,
-  repeated fields), cut at a random byte — and, when the caller passes ``examples``,
-  truncations of those real requests, which reach deeper into the servicer.
+  repeated fields), whole and cut at a random byte — and, when the caller passes
+  ``examples``, truncations of those real requests, which reach deeper into the servicer.
 
 Each body is first parsed locally with the reflected request type. A body that does not
 parse must be answered ``INVALID_ARGUMENT`` with the method's full name in the details;
@@ -34,7 +34,7 @@ import dataclasses
 import random
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from google.protobuf import descriptor_pool, message, message_factory
@@ -104,11 +104,12 @@ def random_message(desc: Descriptor, rng: random.Random, depth: int = 2) -> mess
         if rng.random() > 0.6:
             continue
         if field.type == FieldDescriptor.TYPE_MESSAGE:
-            if depth <= 0 or field.message_type.GetOptions().map_entry:
+            child_type = field.message_type
+            if depth <= 0 or child_type is None or child_type.GetOptions().map_entry:
                 continue
             target = getattr(msg, field.name)
             for _ in range(rng.randint(0, 2) if field.is_repeated else 1):
-                child = random_message(field.message_type, rng, depth - 1)
+                child = random_message(child_type, rng, depth - 1)
                 (target.add() if field.is_repeated else target).CopyFrom(child)
             continue
         values = [_scalar(field, rng) for _ in range(rng.randint(0, 2) if field.is_repeated else 1)]
@@ -130,7 +131,8 @@ def _scalar(field: FieldDescriptor, rng: random.Random) -> Any:
     if t == FieldDescriptor.TYPE_BYTES:
         return rng.randbytes(rng.randint(0, 32))
     if t == FieldDescriptor.TYPE_ENUM:
-        return rng.choice([v.number for v in field.enum_type.values] + [99])  # open enums take unknown values
+        known = [v.number for v in field.enum_type.values] if field.enum_type is not None else []
+        return rng.choice(known + [99])  # proto3 enums are open: unknown values parse
     if t in (FieldDescriptor.TYPE_UINT32, FieldDescriptor.TYPE_FIXED32):
         return rng.choice([0, 1, 2**32 - 1, rng.randint(0, 1000)])
     if t in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_FIXED64):
@@ -141,19 +143,23 @@ def _scalar(field: FieldDescriptor, rng: random.Random) -> Any:
 
 
 def bodies(method: Method, rng: random.Random, cases: int, examples: Sequence[message.Message] = ()) -> list[bytes]:
-    """``cases`` request bodies for ``method`` (the fixed ones first, then random bytes,
-    truncated random messages and truncated ``examples`` in turn)."""
+    """``cases`` request bodies for ``method``: the fixed ones first, then in turn random
+    bytes, a truncated random message, a whole random message, a truncated example (a
+    truncated random message when there are no ``examples``)."""
     out = list(FIXED_BODIES[:cases])
     while len(out) < cases:
-        kind = len(out) % 3
+        kind = len(out) % 4
         if kind == 0:
             out.append(rng.randbytes(rng.randint(1, 64)))
             continue
-        if kind == 2 and examples:
+        if kind == 3 and examples:
             full = rng.choice(list(examples)).SerializeToString()
         else:
-            full = random_message(method.request_type.DESCRIPTOR, rng).SerializeToString()
-        out.append(full[: rng.randint(0, max(len(full) - 1, 0))] if full else rng.randbytes(3))
+            full = random_message(cast(Descriptor, method.request_type.DESCRIPTOR), rng).SerializeToString()
+        if kind == 2:  # whole: a valid message with random contents reaches the servicer
+            out.append(full)
+        else:  # cut at a random byte (cut mid-field it no longer parses)
+            out.append(full[: rng.randint(0, len(full) - 1)] if full else rng.randbytes(3))
     return out
 
 
@@ -169,12 +175,12 @@ def _call(channel: grpc.Channel, method: Method, body: bytes, timeout_s: float) 
     """Send ``body`` raw; a streaming call is cancelled after its first response."""
     try:
         if method.server_streaming:
-            call = channel.unary_stream(method.path)(body, timeout=timeout_s)
+            call = channel.unary_stream(method.path, request_serializer=None, response_deserializer=None)(body, timeout=timeout_s)
             for _ in call:
                 call.cancel()
                 break
             return grpc.StatusCode.OK, ""
-        channel.unary_unary(method.path)(body, timeout=timeout_s)
+        channel.unary_unary(method.path, request_serializer=None, response_deserializer=None)(body, timeout=timeout_s)
         return grpc.StatusCode.OK, ""
     except grpc.RpcError as exc:
         code = exc.code()  # type: ignore[attr-defined]

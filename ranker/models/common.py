@@ -17,8 +17,14 @@ def offsets_of(lengths: torch.Tensor) -> torch.Tensor:
 def mean_pool(weight: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Mean of each bag's rows: ``weight`` [R, D], ``values`` [L] int64 ids, ``lengths``
     [B] int64 -> ``[B, D]``; an empty bag pools to zeros (as torchrec's EBC and the
-    shards' mean pooling do)."""
-    return F.embedding_bag(values, weight, offsets_of(lengths), mode="mean")
+    shards' mean pooling do). Gradients are sparse (the touched rows only): see
+    :func:`ranker.train._optimizers`."""
+    return F.embedding_bag(values, weight, offsets_of(lengths), mode="mean", sparse=True)
+
+
+def gather_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``weight`` [R, D] rows of ``ids`` [L] -> ``[L, D]``, with a sparse gradient."""
+    return F.embedding(ids, weight, sparse=True)
 
 
 def pad_jagged(rows: torch.Tensor, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ranker.config import L3Config
 from ranker.features import NUM_DENSE, Source, SparseFeature
-from ranker.models.common import mean_pool, pad_jagged
+from ranker.models.common import gather_rows, mean_pool, pad_jagged
 
 
 def l3_features(history: int) -> tuple[tuple[SparseFeature, ...], tuple[SparseFeature, ...]]:
@@ -82,7 +82,7 @@ class L3Reranker(nn.Module):
     def lookup(self, jagged: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor]:
         """In-process lookups: feature -> (values [L], lengths [B]) -> (pooled, rows, lengths)."""
         pooled = {f.name: mean_pool(self.tables[f.table], *jagged[f.name]) for f in self.pooled_features}
-        rows = {f.name: self.tables[f.table].index_select(0, jagged[f.name][0]) for f in self.unpooled_features}
+        rows = {f.name: gather_rows(self.tables[f.table], jagged[f.name][0]) for f in self.unpooled_features}
         return pooled, rows, jagged["l3_history_items"][1]
 
     def forward(self, jagged: Mapping[str, tuple[torch.Tensor, torch.Tensor]], dense: torch.Tensor) -> torch.Tensor:

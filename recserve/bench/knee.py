@@ -56,7 +56,10 @@ class ProbeResult:
     better the realised rate of its Poisson schedule, ``N / last scheduled offset``, so
     a short probe's Poisson noise does not read as the generator falling behind);
     ``achieved_per_s``: the rate it actually issued requests at (``N / last actual send
-    offset``). ``requests``: requests offered; the outcome counts partition them, and
+    offset``) — the *send* rate, not :func:`recserve.bench.sweep.summarise`'s
+    ``achieved_per_s`` (answers per second): an overloaded system answers slower than it
+    is offered, and passing that here would mark its failing probes invalid instead of
+    failed. ``requests``: requests offered; the outcome counts partition them, and
     any request in no count (lost, never answered) counts against the knee like a
     failure.
     """

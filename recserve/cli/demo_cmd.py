@@ -1,13 +1,16 @@
 """``recserve demo``: the main job on the embedded default cluster spec.
 
-1. Generate a synthetic catalog sized from the spec's ``item`` table and print its
+1. Generate a synthetic catalog sized from the spec's ``dlrm_item`` table and print its
    summary (items, users, head/tail popularity share).
-2. Plan the ``item`` table from the catalog's popularity, start real shard processes on
-   loopback (RocksDB in a temp dir) loaded with the catalog's item vectors, and send
-   many concurrent users' lookups (the spec's features that read ``item``: pooled
-   histories and candidates) through the feature-parallel client. Print its windows,
-   dedup ratio and RPC count, and check the pooled output against TorchRec's
-   ``EmbeddingBagCollection`` on the same weights.
+2. Train a tiny model set (DLRM, two-tower, L3) on the catalog's scrubbed view, evaluate
+   it against the ground truth and export it (``ranker.pipeline``); print the metrics
+   table next to the ground-truth and popularity baselines.
+3. Start real shard processes on loopback (RocksDB in a temp dir) loaded with the
+   exported DLRM tables, and send many concurrent users' DLRM lookups (user id,
+   candidate, pooled history, categories, tags) through the feature-parallel client.
+   Print its windows, dedup ratio and RPC count; check the pooled output against
+   TorchRec's ``EmbeddingBagCollection`` holding the trained weights, and the DLRM
+   scores on remote embeddings against the in-process DLRM.
 
 Later issues extend it until it serves the whole cascade.
 """
@@ -37,7 +40,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--users", type=int, default=5_000, help="users in the demo catalog")
     parser.add_argument("--callers", type=_positive, default=64, help="concurrent lookup callers (one user batch each)")
     parser.add_argument("--users-per-caller", type=_positive, default=4, help="users (bags) per caller")
-    parser.add_argument("--out", type=Path, default=None, help="keep the catalog here (default: a temp dir)")
+    parser.add_argument("--out", type=Path, default=None, help="keep the catalog and models here (default: a temp dir)")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=run)
 
@@ -48,80 +51,90 @@ def run(args: argparse.Namespace) -> int:
     from recserve.errors import ConfigError
 
     cluster = load(args.config)
-    item_tables = [t for t in cluster.tables if t.name == "item"]
+    item_tables = [t for t in cluster.tables if t.name == "dlrm_item"]
     if not item_tables:
-        raise ConfigError(f"demo needs a table named 'item' in the cluster spec; it declares {[t.name for t in cluster.tables]}")
+        raise ConfigError(f"demo needs a table named 'dlrm_item' in the cluster spec; it declares {[t.name for t in cluster.tables]}")
     item_table = item_tables[0]
     with tempfile.TemporaryDirectory(prefix="recserve-demo-") as tmp:
-        out = args.out if args.out is not None else Path(tmp) / "catalog"
-        cfg = CatalogConfig(items=item_table.rows, users=args.users, dim=item_table.dim, seed=args.seed, impressions=20 * args.users)
-        catalog = generate_catalog(cfg, out_dir=out, progress=True)
+        root = args.out if args.out is not None else Path(tmp)
+        cfg = CatalogConfig(items=item_table.rows, users=args.users, seed=args.seed, impressions=20 * args.users)
+        catalog = generate_catalog(cfg, out_dir=root / "catalog", progress=True)
         print("== catalog ==")
         print(format_summary(summarize(catalog)))
-        print("== feature-parallel lookups through real shard servers ==")
-        report = _lookup_demo(cluster, catalog, Path(tmp), args)
+        print("== models trained on the scrubbed catalog, judged against its ground truth ==")
+        report = _train(root, args)
+        print("== feature-parallel DLRM lookups through real shard servers ==")
+        lookups = _lookup_demo(cluster, report, Path(tmp), args)
         print(
-            f"shards      {report['shards']} processes on loopback, plan v{report['plan_version']} "
-            f"(hot {report['hot']:,}, warm {report['warm']:,}, cold {report['cold']:,} rows)\n"
-            f"callers     {report['callers']} concurrent, {report['bags']:,} bags, {report['ids']:,} ids over features {report['features']}\n"
-            f"windows     {report['windows']}, {report['unique_ids']:,} unique ids: dedup ratio {report['dedup_ratio']:.2f}\n"
-            f"rpcs        {report['rpcs']} to the shards ({report['rpcs'] / max(1, report['windows']):.1f} per window; "
-            f"{report['callers']} callers x {report['shards']} shards = {report['callers'] * report['shards']} without windows)\n"
-            f"degraded    {report['degraded_callers']} callers\n"
-            f"oracle      pooled output equals TorchRec EmbeddingBagCollection: {report['pooled_matches_torchrec']}"
+            f"shards      {lookups['shards']} processes on loopback, plan v{lookups['plan_version']}, model_version {lookups['model_version']} "
+            f"(dlrm_item: hot {lookups['hot']:,}, warm {lookups['warm']:,}, cold {lookups['cold']:,} rows)\n"
+            f"callers     {lookups['callers']} concurrent, {lookups['bags']:,} bags, {lookups['ids']:,} ids over features {lookups['features']}\n"
+            f"windows     {lookups['windows']}, {lookups['unique_ids']:,} unique ids: dedup ratio {lookups['dedup_ratio']:.2f}\n"
+            f"rpcs        {lookups['rpcs']} to the shards ({lookups['rpcs'] / max(1, lookups['windows']):.1f} per window; "
+            f"{lookups['callers']} callers x {lookups['shards']} shards = {lookups['callers'] * lookups['shards']} without windows)\n"
+            f"degraded    {lookups['degraded_callers']} callers\n"
+            f"oracle      pooled output equals TorchRec EmbeddingBagCollection: {lookups['pooled_matches_torchrec']}\n"
+            f"oracle      DLRM scores on remote embeddings equal in-process DLRM: {lookups['scores_match']}"
         )
-        return 0 if report["pooled_matches_torchrec"] and report["degraded_callers"] == 0 else 1
+        ok = lookups["pooled_matches_torchrec"] and lookups["scores_match"] and lookups["degraded_callers"] == 0
+        return 0 if ok else 1
 
 
-def _lookup_demo(cluster: Any, catalog: Any, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
-    """Serve ``catalog.item_vectors`` as the ``item`` table and look up user batches."""
+def _train(root: Path, args: argparse.Namespace) -> Any:
+    """Train and export the tiny model set; print its metrics table."""
+    from ranker.config import TrainConfig
+    from ranker.evaluate import format_metrics
+    from ranker.pipeline import train_and_export
+
+    # Tiny and quick: one pass of DLRM / L3, one of the two-tower, 500 users for recall.
+    config = TrainConfig(seed=args.seed, tt_epochs=1, eval_users=500)
+    report = train_and_export(root / "catalog", root / "models", config)
+    print(format_metrics(report.metrics, report.seconds))
+    print(f"models      {root / 'models'} (model_version {report.manifest['model_version']}, trained on {report.device})")
+    return report
+
+
+def _lookup_demo(cluster: Any, report: Any, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Serve the exported DLRM tables and look up user batches; score them remotely."""
     import dataclasses
 
     import numpy as np
     import torch
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from recserve.catalog import PopularitySampler
+    from ranker.features import dense_features, sparse_features
+    from ranker.models.dlrm import DLRM_FEATURES, DlrmRanker
+    from ranker.serving import check_table_versions, load_model, open_export
+    from ranker.spec import tables_and_features
     from recserve.cluster.shards import ShardCluster
     from recserve.lookup.client import LookupClient
     from recserve.lookup.config import LookupClientConfig
     from recserve.sharding import plan_tables
 
-    table = next(t for t in cluster.tables if t.name == "item")
-    features = tuple(f for f in cluster.features if f.table == "item")
-    weights = np.array(catalog.item_vectors, dtype=np.float32)  # writable copy: torch refuses read-only memmaps
-    popularity = np.asarray(catalog.item_popularity, dtype=np.float64)
-    plan = plan_tables([table], {"item": popularity}, cluster.sharding).plan
-    tplan = plan.tables["item"]
-    np.save(workdir / "item.npy", weights)
+    export = open_export(report.out)
+    tables, _ = tables_and_features(export.manifest)
+    dlrm_tables = tuple(t for t in tables if t.name.startswith("dlrm_"))
+    features = tuple(f for f in tables_and_features(export.manifest)[1] if f.table.startswith("dlrm_"))
+    # Access frequency of the item table: its train-log impression counts (what a real
+    # system knows), not the catalog's popularity.
+    freq = {"dlrm_item": np.asarray(export.arrays.counts.item[:, 0], dtype=np.float64) + 1.0}
+    plan = plan_tables(list(dlrm_tables), freq, cluster.sharding).plan
+    tplan = plan.tables["dlrm_item"]
     plan.save(workdir / "plan.json")
+    dlrm = load_model(export, "dlrm", device="cpu", with_tables=True)
+    assert isinstance(dlrm, DlrmRanker)
 
-    # Each caller: a batch of users; per user one bag per feature. History features get
-    # the user's history; other features one popularity-sampled candidate.
+    # Each caller: a batch of users, each with one candidate drawn from the log's items.
     rng = np.random.default_rng(args.seed)
-    sampler = PopularitySampler(popularity)
-    hist = catalog.user_history
-    kjts: list[KeyedJaggedTensor] = []
-    for _ in range(args.callers):  # per caller (not per id): builds the callers' inputs
-        users = rng.integers(0, catalog.num_users, size=args.users_per_caller)
-        values: list[np.ndarray] = []
-        lengths: list[np.ndarray] = []
-        for f in features:
-            if "history" in f.name:
-                starts, ends = hist.offsets[users], hist.offsets[users + 1]
-                lens = (ends - starts).astype(np.int64)
-                idx = np.repeat(starts - np.cumsum(lens) + lens, lens) + np.arange(int(lens.sum()))
-                values.append(np.asarray(hist.values)[idx])
-                lengths.append(lens)
-            else:
-                values.append(sampler.sample(len(users), rng))
-                lengths.append(np.ones(len(users), dtype=np.int64))
-        kjts.append(KeyedJaggedTensor(keys=[f.name for f in features], values=torch.from_numpy(np.concatenate(values).astype(np.int64)), lengths=torch.from_numpy(np.concatenate(lengths))))
+    arrays = export.arrays
+    shown = np.flatnonzero(arrays.counts.item[:, 0] > 0)
+    pairs = [(rng.integers(0, arrays.num_users, args.users_per_caller), rng.choice(shown, args.users_per_caller)) for _ in range(args.callers)]
+    kjts: list[KeyedJaggedTensor] = [sparse_features(arrays, DLRM_FEATURES, u, i).kjt() for u, i in pairs]
 
-    config = dataclasses.replace(LookupClientConfig.from_cluster(cluster), tables=(table,), features=features)
-    with ShardCluster(workdir / "plan.json", workdir / "shards", load_from=workdir, server=cluster.shard_server) as shards:
+    config = dataclasses.replace(LookupClientConfig.from_cluster(cluster), tables=dlrm_tables, features=features)
+    with ShardCluster(workdir / "plan.json", workdir / "shards", load_from=report.out, server=cluster.shard_server) as shards:
+        versions = _table_versions(shards.addresses)
+        check_table_versions(export.model_version, versions, [t.name for t in dlrm_tables])
 
         async def go() -> tuple[list[Any], Any]:
             client = LookupClient.connect(config, plan, shards.addresses)
@@ -134,14 +147,18 @@ def _lookup_demo(cluster: Any, catalog: Any, workdir: Path, args: argparse.Names
 
         results, stats = asyncio.run(go())
 
-    pooling = PoolingType.MEAN if table.pooling == "mean" else PoolingType.SUM
-    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="item", embedding_dim=table.dim, num_embeddings=table.rows, feature_names=[f.name for f in features], pooling=pooling)])
+    ebc = dlrm.dlrm.sparse_arch.embedding_bag_collection
     with torch.no_grad():
-        ebc.embedding_bags["item"].weight.copy_(torch.from_numpy(weights))
-        exact = all(torch.allclose(r.pooled.values(), ebc(k).values(), rtol=0, atol=1e-5 if pooling == PoolingType.MEAN else 0) for r, k in zip(results, kjts))
+        # Mean pooling divides on both sides in a different order: equal within fp32 rounding.
+        exact = all(torch.allclose(r.pooled.values(), ebc(k).values(), rtol=0, atol=1e-5) for r, k in zip(results, kjts))
+        scores_match = True
+        for r, k, (u, i) in zip(results, kjts, pairs):  # per caller (a batch each), not per candidate
+            dense = torch.from_numpy(dense_features(arrays, u, i))
+            scores_match &= bool(torch.allclose(dlrm.score_pooled(dense, r.pooled.to_dict()), dlrm(dense, k), rtol=1e-5, atol=1e-5))
     return {
         "shards": plan.num_shards,
         "plan_version": plan.version,
+        "model_version": export.model_version,
         "hot": len(tplan.hot_ids),
         "warm": len(tplan.warm_ids),
         "cold": tplan.num_cold,
@@ -155,4 +172,20 @@ def _lookup_demo(cluster: Any, catalog: Any, workdir: Path, args: argparse.Names
         "rpcs": stats.rpcs_primary + stats.rpcs_hedge,
         "degraded_callers": stats.degraded_callers,
         "pooled_matches_torchrec": exact,
+        "scores_match": scores_match,
     }
+
+
+def _table_versions(addresses: list[str]) -> dict[str, str]:
+    """table -> model_version, from every shard's ShardInfo."""
+    import grpc
+
+    from ranker.serving import versions_from_shard_info
+    from recserve.v1 import embedding_pb2
+    from recserve.v1.embedding_pb2_grpc import EmbeddingShardStub
+
+    infos = []
+    for address in addresses:
+        with grpc.insecure_channel(address) as channel:
+            infos.append(EmbeddingShardStub(channel).ShardInfo(embedding_pb2.ShardInfoRequest(), timeout=10.0))
+    return versions_from_shard_info(infos)

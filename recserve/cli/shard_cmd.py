@@ -164,7 +164,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from embedding_server.bulk_load import LoadMethod, bulk_load, open_source
+    from embedding_server.bulk_load import LoadMethod, bulk_load, open_source, source_model_version
     from embedding_server.layout import layouts_from_plan
     from embedding_server.server import data_paths
     from embedding_server.store import RowStore
@@ -178,6 +178,7 @@ def _load(args: argparse.Namespace) -> int:
         report = bulk_load(
             store, layouts, source, source_id=source_id, plan_version=plan.version, shard_id=args.shard_id,
             method=LoadMethod(args.method), force=args.force, overwrite=args.overwrite, progress=not args.json and sys.stderr.isatty(),
+            model_version=source_model_version(args.source),
         )  # fmt: skip
     finally:
         store.close()
@@ -292,4 +293,20 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"expected imbalance (max/mean unique rows per shard per window): {result.imbalance:.3f}")
         for tier, per_shard in result.estimate.bytes_per_shard.items():
             print(f"  {tier:8s} bytes/shard: " + ", ".join(f"{int(b):,}" for b in per_shard))
+        if sharding.placement == "budget":  # under "fractions" the row cache is the server's own setting
+            print(f"  {'rowcache':8s} bytes/shard: " + ", ".join(f"{int(b):,}" for b in result.row_cache_bytes) + f" (budget {result.shard_memory_bytes:,}, placement {sharding.placement!r})")
+        print(_tier_table(result.tier_rows()))
     return 0
+
+
+def _tier_table(rows: list[dict[str, Any]]) -> str:
+    """The planner's tiers, one line per table (ids per tier, copies, bytes on the fullest shard)."""
+    head = f"{'table':16s} {'rows':>10s} {'hot ids':>10s} {'xR':>3s} {'warm ids':>10s} {'xC':>3s} {'cold ids':>10s} {'xR':>3s} {'DRAM B/shard':>14s} {'RocksDB B/shard':>16s}"
+    lines = [head]
+    for r in rows:
+        name = r["table"] + (" (whole)" if r["replicated_whole"] else "")
+        lines.append(
+            f"{name:16s} {r['rows']:>10,} {r['hot_ids']:>10,} {r['hot_replicas']:>3d} {r['warm_ids']:>10,} {r['column_splits']:>3d} "
+            f"{r['cold_ids']:>10,} {r['cold_replicas']:>3d} {r['dram_bytes_max_shard']:>14,} {r['rocksdb_bytes_max_shard']:>16,}"
+        )
+    return "\n".join(lines)

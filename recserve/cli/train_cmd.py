@@ -3,9 +3,13 @@
 ``recserve train --lm`` trains the small decode LM (:mod:`generation.train`) on templated
 text from a synthetic catalog — a small one generated in memory, or ``--catalog DIR`` —
 with a progress bar and a fixed seed, writes a checkpoint directory, reloads it from
-disk and prints greedy samples from the reloaded model. The ranker models (two-tower,
-DLRM, L3) will be trained by the plain form (``recserve train`` without ``--lm``); until
-they exist it says so and exits 2.
+disk and prints greedy samples from the reloaded model.
+
+``recserve train --catalog DIR --out MODELS [--device auto|cpu|cuda]`` (no ``--lm``)
+trains the ranker models — DLRM, two-tower, L3 (:mod:`ranker.pipeline`) — on the
+catalog's scrubbed view, evaluates them against its ground truth, exports them to
+MODELS with one model_version, writes ``MODELS/metrics.json`` and a cluster spec sized
+to the catalog (``MODELS/cluster.toml``), and prints the metrics table.
 
 Argparse only at import time; torch loads inside :func:`run`.
 """
@@ -23,10 +27,12 @@ SAMPLE_PROMPTS = ("because you liked items in category 12,", "item 42 is in cate
 
 
 def add_parser(subparsers: Any) -> None:
-    p = subparsers.add_parser("train", help="train models (--lm: the decode LM; the ranker models are not built yet)")
+    p = subparsers.add_parser("train", help="train the ranker models (DLRM, two-tower, L3) on a catalog; --lm: the decode LM")
     p.add_argument("--lm", action="store_true", help="train the small decode LM on templated catalog text")
-    p.add_argument("--out", type=Path, default=Path("checkpoints/lm"), help="checkpoint directory (default checkpoints/lm)")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: models for the rankers, checkpoints/lm for --lm)")
     p.add_argument("--catalog", type=Path, default=None, help="catalog directory (default: a small one generated in memory)")
+    p.add_argument("--epochs", type=int, default=None, help="rankers: DLRM / L3 passes over the train split (default 1)")
+    p.add_argument("--shards", type=int, default=2, help="rankers: num_shards of the written cluster spec (default 2)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 400: a few minutes on 2 CPU cores)")
     p.add_argument("--batch", type=int, default=None, help="windows per step (default 16)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 96)")
@@ -37,11 +43,36 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
+def run_rankers(args: argparse.Namespace) -> int:
+    """The ranker path: train, evaluate, export, print the metrics table."""
+    import dataclasses
+
+    from ranker.config import TrainConfig
+    from ranker.evaluate import format_metrics
+    from ranker.pipeline import train_and_export
+    from recserve.errors import ConfigError
+
+    if args.catalog is None:
+        raise ConfigError("recserve train needs --catalog DIR (create one with `recserve catalog generate --out DIR`), or --lm for the decode LM")
+    config = TrainConfig(seed=args.seed, device=args.device, progress=not args.no_progress)
+    if args.epochs is not None:
+        config = dataclasses.replace(config, epochs=args.epochs)
+    out = args.out if args.out is not None else Path("models")
+    report = train_and_export(args.catalog, out, config, num_shards=args.shards)
+    if args.json:
+        print(json.dumps({"models": str(out), "model_version": report.manifest["model_version"], "device": report.device, **report.metrics, "seconds": report.seconds}, sort_keys=True))
+        return 0
+    print(f"trained DLRM, two-tower and L3 on {report.device} in {report.seconds['train_total']:.0f} s; model_version {report.manifest['model_version']}")
+    print(format_metrics(report.metrics, report.seconds))
+    print(f"export: {out}/ (embeddings/, dense/, index/, serving/, metrics.json, cluster.toml)")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     if not args.lm:
-        print("recserve train: the ranker models (two-tower, DLRM, L3) are not built yet; "
-              "`recserve train --lm` trains the decode LM", file=sys.stderr)
-        return 2
+        return run_rankers(args)
+    if args.out is None:
+        args.out = Path("checkpoints/lm")
     import dataclasses
 
     import numpy as np

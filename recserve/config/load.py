@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -29,30 +30,116 @@ from recserve.config.spec import (
 from recserve.errors import ConfigError
 
 DEFAULT_SPEC = """
-# The embedded default cluster: a small catalog served by 2 shards on loopback.
+# The embedded default cluster: the trained ranker tables of a 100k-item catalog (default
+# users, categories and tags), served by 2 shards on loopback. Table names carry their
+# model's prefix (dlrm_, tt_, l3_): trained tables, never the catalog's ground-truth
+# vectors. `recserve train` writes the same layout sized to its catalog
+# (MODELS/cluster.toml); ranker.models_dir names that export.
 [[tables]]
-name = "item"
+name = "dlrm_user"
 rows = 100000
-dim = 64
-pooling = "sum"
+dim = 16
+pooling = "mean"
 
 [[tables]]
-name = "category"
-rows = 1000
-dim = 64
+name = "dlrm_item"
+rows = 100000
+dim = 16
+pooling = "mean"
+
+[[tables]]
+name = "dlrm_category"
+rows = 128
+dim = 16
+pooling = "mean"
+
+[[tables]]
+name = "dlrm_tag"
+rows = 2048
+dim = 16
+pooling = "mean"
+
+[[tables]]
+name = "tt_item"
+rows = 100000
+dim = 32
+pooling = "mean"
+
+[[tables]]
+name = "tt_category"
+rows = 128
+dim = 32
+pooling = "mean"
+
+[[tables]]
+name = "l3_item"
+rows = 100000
+dim = 16
+pooling = "mean"
+
+[[tables]]
+name = "l3_category"
+rows = 128
+dim = 16
+pooling = "mean"
+
+[[tables]]
+name = "l3_tag"
+rows = 2048
+dim = 16
 pooling = "mean"
 
 [[features]]
-name = "history_items"
-table = "item"
+name = "dlrm_user_id"
+table = "dlrm_user"
 
 [[features]]
-name = "candidate_item"
-table = "item"
+name = "dlrm_candidate_item"
+table = "dlrm_item"
 
 [[features]]
-name = "history_categories"
-table = "category"
+name = "dlrm_history_items"
+table = "dlrm_item"
+
+[[features]]
+name = "dlrm_candidate_category"
+table = "dlrm_category"
+
+[[features]]
+name = "dlrm_history_categories"
+table = "dlrm_category"
+
+[[features]]
+name = "dlrm_candidate_tags"
+table = "dlrm_tag"
+
+[[features]]
+name = "tt_history_items"
+table = "tt_item"
+
+[[features]]
+name = "tt_history_categories"
+table = "tt_category"
+
+[[features]]
+name = "l3_candidate_item"
+table = "l3_item"
+
+[[features]]
+name = "l3_candidate_category"
+table = "l3_category"
+
+[[features]]
+name = "l3_candidate_tags"
+table = "l3_tag"
+
+[[features]]
+name = "l3_history_items"
+table = "l3_item"
+
+[[features]]
+name = "l3_history_categories"
+table = "l3_category"
 
 [sharding]
 num_shards = 2
@@ -62,6 +149,10 @@ hot_replicas = 2
 
 [lookup]
 window_ms = 1.0
+
+[ranker]
+model = "dlrm"
+models_dir = "models"
 
 [cascade]
 default_deadline_ms = 100.0
@@ -96,6 +187,10 @@ def _coerce(field: str, value: Any, hint: Any) -> Any:
         if items is None or not all(_is_number(v) for v in items):
             raise ConfigError(f"{field} = {value!r} is invalid: use a list of numbers, e.g. [0.25, 0.25, 0.25, 0.25]")
         return tuple(float(v) for v in items)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        # An optional override (`float | None`): TOML has no null, so a given value must
+        # be of the non-None type.
+        (hint,) = [h for h in typing.get_args(hint) if h is not type(None)]
     if hint is float:
         if not _is_number(value):
             raise ConfigError(f"{field} = {value!r} is invalid: {_TYPE_FIX[float]}")

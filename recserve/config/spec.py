@@ -19,17 +19,32 @@ from recserve.errors import require as _require
 DTYPES = ("float32", "float16", "int8")
 POOLINGS = ("sum", "mean")
 PRIORITIES = ("critical", "standard", "best_effort")
+PLACEMENTS = ("fractions", "budget")
 
 
 @dataclasses.dataclass(frozen=True)
 class TableConfig:
-    """One embedding table: ``rows`` × ``dim`` stored as ``dtype``; bags pool by ``pooling``."""
+    """One embedding table: ``rows`` × ``dim`` stored as ``dtype``; bags pool by ``pooling``.
+
+    The placement overrides (None = the ``[sharding]`` value) let one table differ from
+    the rest: ``hot_fraction`` / ``warm_fraction`` given here are exact demands (the
+    planner raises ResourceExhausted when they do not fit the shard budget, instead of
+    trimming them as it trims the ``[sharding]`` fractions under ``placement =
+    "budget"``); ``column_splits``, ``hot_replicas`` and ``cold_replicas`` replace the
+    ``[sharding]`` ones for this table. Ranges against ``num_shards`` are checked by
+    the planner, which knows the shard count.
+    """
 
     name: str
     rows: int
     dim: int
     dtype: str = "float32"
     pooling: str = "sum"
+    hot_fraction: float | None = None
+    warm_fraction: float | None = None
+    column_splits: int | None = None
+    hot_replicas: int | None = None
+    cold_replicas: int | None = None
 
     def __post_init__(self) -> None:
         f = f"tables.{self.name}"
@@ -38,6 +53,21 @@ class TableConfig:
         _require(isinstance(self.dim, int) and 0 < self.dim <= 4096, f"{f}.dim", self.dim, "set an embedding width between 1 and 4096")
         _require(self.dtype in DTYPES, f"{f}.dtype", self.dtype, f"use one of {DTYPES}")
         _require(self.pooling in POOLINGS, f"{f}.pooling", self.pooling, f"use one of {POOLINGS}")
+        for key in ("hot_fraction", "warm_fraction"):
+            v = getattr(self, key)
+            _require(v is None or 0.0 <= v <= 1.0, f"{f}.{key}", v, "use a fraction in [0, 1] (or leave it out for the [sharding] value)")
+        if self.hot_fraction is not None and self.warm_fraction is not None:
+            total = self.hot_fraction + self.warm_fraction
+            _require(total <= 1.0, f"{f}.hot_fraction + warm_fraction", total, "keep the sum at most 1")
+        _require(self.column_splits is None or self.column_splits >= 0, f"{f}.column_splits", self.column_splits, "use 0 (auto) or a positive slice count")
+        for key in ("hot_replicas", "cold_replicas"):
+            v = getattr(self, key)
+            _require(v is None or v >= 1, f"{f}.{key}", v, "use at least 1 replica")
+
+    @property
+    def overrides_tiers(self) -> bool:
+        """Whether this table demands its own hot or warm fraction."""
+        return self.hot_fraction is not None or self.warm_fraction is not None
 
 @dataclasses.dataclass(frozen=True)
 class FeatureConfig:
@@ -53,7 +83,18 @@ class FeatureConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingConfig:
-    """Hot/warm/cold placement knobs (DESIGN.md §4). ``column_splits`` 0 = pick from width."""
+    """Hot/warm/cold placement knobs (DESIGN.md §4). ``column_splits`` 0 = pick from width.
+
+    ``placement`` says what ``shard_memory_bytes`` means to the planner:
+
+    * ``"fractions"`` (default): the tiers are exactly ``hot_fraction`` / ``warm_fraction``
+      of each table, and a plan whose DRAM tiers exceed the budget is ResourceExhausted;
+    * ``"budget"``: the budget is filled. A table whose whole copy fits every shard's
+      remaining budget is replicated whole (TorchRec's data-parallel choice); the other
+      tables' hot tiers, then warm tiers, take the most popular ids up to their fractions
+      while the budget lasts; what is left of each shard's budget is its row cache
+      (``PlanResult.row_cache_bytes``), and the rest of each table stays in RocksDB.
+    """
 
     num_shards: int = 2
     hot_fraction: float = 0.01
@@ -63,9 +104,11 @@ class ShardingConfig:
     cold_replicas: int = 1
     virtual_nodes: int = 64
     shard_memory_bytes: int = 2 << 30
+    placement: str = "fractions"
 
     def __post_init__(self) -> None:
         _require(self.num_shards >= 1, "sharding.num_shards", self.num_shards, "use at least 1 shard")
+        _require(self.placement in PLACEMENTS, "sharding.placement", self.placement, f"use one of {PLACEMENTS}")
         _require(0.0 <= self.hot_fraction <= 1.0, "sharding.hot_fraction", self.hot_fraction, "use a fraction in [0, 1]")
         _require(0.0 <= self.warm_fraction <= 1.0, "sharding.warm_fraction", self.warm_fraction, "use a fraction in [0, 1]")
         _require(self.hot_fraction + self.warm_fraction <= 1.0, "sharding.hot_fraction + warm_fraction", self.hot_fraction + self.warm_fraction, "keep the sum at most 1")
@@ -108,7 +151,14 @@ class ShardServerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LookupConfig:
-    """Feature-parallel lookup client knobs (DESIGN.md §5)."""
+    """Feature-parallel lookup client knobs (DESIGN.md §5).
+
+    ``close_at_dispatch`` (default on): while the client is busy (a window in flight)
+    the next window closes as soon as no earlier window is still preparing its RPCs —
+    every caller that arrived meanwhile rides along, with no timer; ``window_ms`` /
+    ``max_window_ms`` then apply only when the client is idle. Off: every window waits
+    its (adaptive) timer, the rule before it existed.
+    """
 
     window_ms: float = 1.0
     max_window_ms: float = 2.0
@@ -118,6 +168,7 @@ class LookupConfig:
     hedge_budget: float = 0.05
     near_cache_rows: int = 0
     near_cache_staleness_ms: float = 100.0
+    close_at_dispatch: bool = True
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.window_ms <= self.max_window_ms, "lookup.window_ms", self.window_ms, f"use 0..max_window_ms ({self.max_window_ms})")
@@ -132,14 +183,21 @@ class LookupConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RankerConfig:
+    """The Ranking service: which model scores, where, and the export it loads.
+
+    ``models_dir`` is a ``recserve train --out`` directory ('' = none yet); its dense
+    weights and the shards' tables must carry one ``model_version``.
+    """
+
     model: str = "dlrm"
     device: str = "auto"
     max_batch_candidates: int = 4096
     max_wait_ms: float = 2.0
     slo_ms: float = 50.0
+    models_dir: str = ""
 
     def __post_init__(self) -> None:
-        _require(self.model in ("dlrm", "two_tower"), "ranker.model", self.model, "use 'dlrm' or 'two_tower'")
+        _require(self.model in ("dlrm", "two_tower", "l3"), "ranker.model", self.model, "use 'dlrm', 'two_tower' or 'l3'")
         _require(self.device in ("auto", "cpu", "cuda"), "ranker.device", self.device, "use 'auto', 'cpu' or 'cuda'")
         _require(self.max_batch_candidates > 0, "ranker.max_batch_candidates", self.max_batch_candidates, "use a positive candidate count")
         _require(self.max_wait_ms >= 0, "ranker.max_wait_ms", self.max_wait_ms, "use >= 0 ms")

@@ -10,13 +10,14 @@ its ``grpc.aio.Server`` with :func:`make_server` and registers health and reflec
     health = await add_health_and_reflection(server, [SERVICE_NAME])   # NOT_SERVING until set
     server.add_insecure_port("127.0.0.1:0"); await server.start()
 
-Why an interceptor: the generated ``add_*Servicer_to_server`` functions register each
-method with its message class's ``FromString`` as the deserializer, and grpc runs that
-*before* the servicer, so a body that is not valid protobuf (e.g. the single byte
-``0xfe``) escapes as ``UNKNOWN: Unexpected DecodeError``, with no way for the servicer
-to answer. :class:`DecodeErrorInterceptor` (installed by :func:`make_server`, ahead of
-any caller interceptors) hands every method's handler over with the parse moved inside
-it: unary-request methods receive the raw bytes and parse them themselves; for
+Why: the generated ``add_*Servicer_to_server`` functions register each method with its
+message class's ``FromString`` as the deserializer, and grpc runs that *before* the
+servicer, so a body that is not valid protobuf (e.g. the single byte ``0xfe``) escapes
+as ``UNKNOWN: Unexpected DecodeError``, with no way for the servicer to answer. The
+server :func:`make_server` returns (a :class:`CheckedServer`) registers every method's
+handler — generated services, health, reflection, raw generic handlers alike — with the
+parse moved inside it (:func:`checked_handler`): unary-request methods receive the raw
+bytes and parse them themselves; for
 stream-request methods the deserializer raises :class:`MalformedRequest`, which surfaces
 inside the servicer's own ``await`` and is caught around it. Either way the caller gets
 ``INVALID_ARGUMENT: /recserve.v1.EmbeddingShard/Lookup: the request body (1 byte) is not
@@ -75,12 +76,10 @@ def make_server(
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` whose every method answers malformed request bytes with
-    ``INVALID_ARGUMENT`` naming the method. ``options`` are added after
-    :func:`server_options`; ``interceptors`` run after the decode-error one."""
-    return grpc.aio.server(
-        interceptors=[DecodeErrorInterceptor(), *interceptors],
-        options=[*server_options(max_message_bytes), *options],
-    )
+    ``INVALID_ARGUMENT`` naming the method (a :class:`CheckedServer`). ``options`` are
+    added after :func:`server_options`."""
+    inner = grpc.aio.server(interceptors=list(interceptors), options=[*server_options(max_message_bytes), *options])
+    return CheckedServer(inner)
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> HealthServicer:
@@ -119,12 +118,16 @@ def checked_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMeth
     if deserializer is None:
         return handler
     serializer = handler.response_serializer
+    behavior: Callable[..., Any] | None
     if not handler.request_streaming:
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if behavior is None:
+            return handler
         if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(_unary_stream(handler.unary_stream, deserializer, method), None, serializer)
-        return grpc.unary_unary_rpc_method_handler(_unary_unary(handler.unary_unary, deserializer, method), None, serializer)
+            return grpc.unary_stream_rpc_method_handler(_unary_stream(behavior, deserializer, method), None, serializer)
+        return grpc.unary_unary_rpc_method_handler(_unary_unary(behavior, deserializer, method), None, serializer)
     behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
-    guarded = _stream_request(behavior)
+    guarded = _stream_request(behavior) if behavior is not None else None
     if guarded is None:
         return handler
 
@@ -201,21 +204,56 @@ def _stream_request(behavior: Callable[..., Any]) -> Callable[..., Any] | None:
     return None
 
 
-class DecodeErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Serves every method through :func:`checked_handler` (installed by
-    :func:`make_server`; see the module docstring)."""
+class CheckedServer(grpc.aio.Server):
+    """A ``grpc.aio.Server`` that registers every handler through :func:`checked_handler`
+    (built by :func:`make_server`; see the module docstring).
 
-    def __init__(self) -> None:
+    Wrapping at registration, not in a server interceptor, keeps the per-RPC cost at
+    zero for registered methods (what the generated ``add_*Servicer_to_server`` adds):
+    an aio interceptor runs a coroutine chain on every call (measured here: ≈ +14 µs
+    of server CPU on a ≈ 340 µs tiny unary call). It is a real ``grpc.aio.Server``
+    subclass, so helpers that check for an aio server (reflection) treat it as one.
+    """
+
+    def __init__(self, inner: grpc.aio.Server) -> None:
+        self._inner = inner
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+        self._inner.add_generic_rpc_handlers([CheckedGenericHandler(h) for h in generic_rpc_handlers])
+
+    def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        checked = {name: checked_handler(h, f"/{service_name}/{name}") for name, h in method_handlers.items()}
+        # grpc >= 1.62 (the generated code calls it); grpc-stubs 1.53 predates it.
+        self._inner.add_registered_method_handlers(service_name, checked)  # type: ignore[attr-defined]
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._inner.add_insecure_port(address)
+
+    def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
+        return self._inner.add_secure_port(address, server_credentials)
+
+    async def start(self) -> None:
+        await self._inner.start()
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self._inner.stop(grace)
+
+    async def wait_for_termination(self, timeout: float | None = None) -> bool:
+        return await self._inner.wait_for_termination(timeout)
+
+
+class CheckedGenericHandler(grpc.GenericRpcHandler):
+    """A generic handler whose handlers go through :func:`checked_handler`. Generic
+    handlers are asked per RPC; the wrapped handler is cached per (method, handler)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
         self._wrapped: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:  # unknown method: grpc answers UNIMPLEMENTED
-            return handler
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:  # not this handler's method
+            return None
         method: str = handler_call_details.method  # type: ignore[attr-defined]
         key = (method, id(handler))
         hit = self._wrapped.get(key)

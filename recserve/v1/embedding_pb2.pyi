@@ -102,7 +102,7 @@ class ShardInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableTierInfo(_message.Message):
-    __slots__ = ("table", "rows", "dim", "hot_rows", "warm_rows", "warm_col_start", "warm_col_end", "cold_rows", "hot_bytes", "warm_bytes", "cold_bytes")
+    __slots__ = ("table", "rows", "dim", "hot_rows", "warm_rows", "warm_col_start", "warm_col_end", "cold_rows", "hot_bytes", "warm_bytes", "cold_bytes", "model_version")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,7 @@ class TableTierInfo(_message.Message):
     HOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     WARM_BYTES_FIELD_NUMBER: _ClassVar[int]
     COLD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     table: str
     rows: int
     dim: int
@@ -125,7 +126,8 @@ class TableTierInfo(_message.Message):
     hot_bytes: int
     warm_bytes: int
     cold_bytes: int
-    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., hot_rows: _Optional[int] = ..., warm_rows: _Optional[int] = ..., warm_col_start: _Optional[int] = ..., warm_col_end: _Optional[int] = ..., cold_rows: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., cold_bytes: _Optional[int] = ...) -> None: ...
+    model_version: str
+    def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., hot_rows: _Optional[int] = ..., warm_rows: _Optional[int] = ..., warm_col_start: _Optional[int] = ..., warm_col_end: _Optional[int] = ..., cold_rows: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., cold_bytes: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class ShardInfoResponse(_message.Message):
     __slots__ = ("shard_id", "plan_version", "tables", "rpcs", "ids_requested", "rows_served_hot", "rows_served_warm", "rows_served_cold", "rows_missing", "rows_not_owned", "row_cache_hits", "row_cache_misses", "row_cache_hit_rate", "p50_ms", "p99_ms", "cpu_seconds", "rss_bytes", "upserts", "errors", "ready")
@@ -176,9 +178,18 @@ class GetPlanRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetPlanResponse(_message.Message):
-    __slots__ = ("plan_version", "plan_json")
+    __slots__ = ("plan_version", "plan_json", "table_model_versions")
+    class TableModelVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_JSON_FIELD_NUMBER: _ClassVar[int]
+    TABLE_MODEL_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     plan_version: int
     plan_json: str
-    def __init__(self, plan_version: _Optional[int] = ..., plan_json: _Optional[str] = ...) -> None: ...
+    table_model_versions: _containers.ScalarMap[str, str]
+    def __init__(self, plan_version: _Optional[int] = ..., plan_json: _Optional[str] = ..., table_model_versions: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -32,8 +32,10 @@ from recserve.cluster import ShardCluster
 from tests.integration.conftest import server_config
 
 plan, root, source, shards, wait = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
-cluster = ShardCluster(plan, root, num_shards=shards, server=server_config(), load_from=source)
-cluster.start(wait=wait)  # wait=False: still loading when the parent dies
+# wait=False: held before loading its tiers (a gate file nobody creates), not yet SERVING.
+gate = [] if wait else ["--load-gate", root + "/never-created"]
+cluster = ShardCluster(plan, root, num_shards=shards, server=server_config(), load_from=source, fault_hook=not wait, extra_args=gate)
+cluster.start(wait=wait)
 print(json.dumps([cluster.pid(k) for k in range(shards)]), flush=True)
 sys.stdin.read()  # hold the cluster until killed
 """

@@ -51,14 +51,16 @@ def test_health_goes_from_not_serving_to_serving(shard_world: ShardWorld, tmp_pa
             reply = stub.Lookup(req, timeout=10)
             assert np.array_equal(unpack(reply.tables[0].rows, "rows"), shard_world.sources["item"][ids])
 
-            # Above gRPC's 4 MiB default: ~1,200 cold ids × 32 fp32 ≈ 150 KB per table, repeated
-            # 30 times in one reply; server and client both raised their limits.
+            # Above gRPC's 4 MiB default: ~1,200 cold ids × 21-32 fp32 columns ≈ 100-150 KB per
+            # table, for 40 different column slices in one reply (an id may appear once per
+            # slice); server and client both raised their limits.
             big = embedding_pb2.LookupRequest()
-            for _ in range(30):
-                big.tables.add(table="item", ids=pack(ids))
+            slices = [(a, b) for a in range(4) for b in range(23, 33)]
+            for a, b in slices:
+                big.tables.add(table="item", ids=pack(ids), col_start=a, col_end=b)
             reply = stub.Lookup(big, timeout=30)
-            assert reply.ByteSize() > 4 << 20 and len(reply.tables) == 30
-            assert np.array_equal(unpack(reply.tables[-1].rows, "rows"), shard_world.sources["item"][ids])
+            assert reply.ByteSize() > 4 << 20 and len(reply.tables) == len(slices)
+            assert np.array_equal(unpack(reply.tables[-1].rows, "rows"), shard_world.sources["item"][ids][:, 3:32])
     finally:
         cluster.stop()
 

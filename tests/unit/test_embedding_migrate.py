@@ -77,6 +77,20 @@ def test_the_upsert_counter_is_written_with_the_rows_and_survives_reopen(tmp_pat
         store.close()
 
 
+def test_an_empty_upsert_is_not_counted_and_does_not_block_a_reload(tmp_path: Path) -> None:
+    plan, src = make_plan(), source()
+    layouts = layouts_from_plan(plan, 0)
+    store = RowStore(tmp_path / "db", {"item": DIM})
+    try:
+        bulk_load(store, layouts, {"item": src}, source_id="s", plan_version=1, shard_id=0, progress=False)
+        store.write_rows([])  # an Upsert RPC with no tables
+        store.write_rows([("item", np.zeros(0, np.int64), np.zeros((0, DIM), np.float32), 0, DIM)])  # one with no ids
+        assert (store.upserts.seq, store.upserts.rows) == (0, 0)
+        assert not bulk_load(store, layouts, {"item": src}, source_id="s", plan_version=2, shard_id=0, progress=False).skipped
+    finally:
+        store.close()
+
+
 def test_a_new_load_over_upserts_is_refused_naming_both(tmp_path: Path) -> None:
     plan, src = make_plan(), source()
     layouts = layouts_from_plan(plan, 0)
@@ -170,6 +184,29 @@ def test_migration_recuts_warm_slices_and_leaves_missing_rows_missing(tmp_path: 
                 lost = ~ok
                 if lost.any():
                     assert present[lost].all() == (ce <= 6)
+    finally:
+        for store in olds + news:
+            store.close()
+
+
+def test_migration_refuses_stores_that_were_not_the_old_plans_shards(tmp_path: Path) -> None:
+    old, src = make_plan(version=2), source()
+    olds = open_stores(tmp_path / "old", old.num_shards)
+    load_all(old, olds, src)
+    news = open_stores(tmp_path / "new", 4)
+    try:
+        # Data directories swapped: shard 2's store read as slot 0 would lose its rows.
+        swapped = [olds[2], olds[1], olds[0]]
+        with pytest.raises(ConfigError, match=r"is slot 0 of plan v2, but its last load 's\|plan=2\|shard=2' was for shard 2"):
+            migrate(old, make_plan(4, version=3), swapped, news, progress=False)
+        # --from-plan older than what the stores were loaded for.
+        with pytest.raises(ConfigError, match=r"slot 0 of plan v1, but its last load 's\|plan=2\|shard=0' was for shard 0 of plan v2"):
+            migrate(make_plan(version=1), make_plan(4, version=3), olds, news, progress=False)
+        assert all(not read_manifest(s) for s in news)  # refused before writing anything
+        # A plan bump served without a re-load (stores loaded for v2, serving v4) is fine.
+        report = migrate(make_plan(version=4), make_plan(4, version=5), olds, news, progress=False)
+        assert report.ids_incomplete == {"item": 0}
+        assert_owners_hold(make_plan(4, version=5), news, src)
     finally:
         for store in olds + news:
             store.close()

@@ -154,7 +154,7 @@ def test_a_sequence_with_nan_logits_fails_alone_and_the_batch_goes_on() -> None:
     bad = h.handles["r1"]
     block = bad.policy_data.blocks[0]
     bt = h.cfg.batching.kv.block_tokens
-    h.engine.cache.v[:, block * bt : (block + 1) * bt] = float("nan")  # corrupt r1's cache only
+    h.engine.cache.kv[:, block * bt : (block + 1) * bt, 1] = float("nan")  # corrupt r1's cached V only
     h.run()
     assert set(h.rec.errors) == {"r1"} and "non-finite logits" in h.rec.errors["r1"].message
     assert bad.status is ItemStatus.FAILED and h.sched.stats().failed == 1

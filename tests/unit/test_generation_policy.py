@@ -65,19 +65,27 @@ def test_max_new_tokens_and_the_stop_token_end_generation() -> None:
     h.assert_matches_oracle()
 
 
-def test_static_batches_keep_their_membership_until_the_longest_finishes() -> None:
+@pytest.mark.parametrize("padded", [True, False])
+def test_static_batches_keep_their_membership_until_the_longest_finishes(padded: bool) -> None:
     cfg = tiny_config(num_blocks=64, block_tokens=4, max_seqs=3)
-    h = DecodeHarness(cfg, policy=StaticBatchPolicy(cfg.batching))
+    policy = StaticBatchPolicy(cfg.batching, padded=padded)
+    h = DecodeHarness(cfg, policy=policy)
     rng = np.random.default_rng(3)
     lengths = {"a": 2, "b": 6, "c": 3, "d": 2, "e": 4}
     for rid, n in lengths.items():
         h.add(rid, GenerationRequest(random_prompt(rng, 5), max_new_tokens=8, stop_after=n))
     h.step()
     # Each member reserves prompt + max_new_tokens (13 tokens: 4 blocks) up front.
-    assert h.policy.pool.used_count == 3 * 4
+    assert policy.pool.used_count == 3 * 4
+    h.step()  # a finished: padded, its slot and reservation stay; unpadded, they come back
+    assert policy.pool.used_count == (3 * 4 if padded else 2 * 4)
+    assert len(policy.padding_rows()) == (1 if padded else 0)
+    computed = h.engine.tokens_computed
+    h.step()
+    assert h.engine.tokens_computed - computed == (3 if padded else 2)  # the padded row is computed too
     h.run()
-    first_batch = [b for b in h.batches[:6]]
-    assert first_batch[0] == ["a", "b", "c"] and all(set(b) <= {"a", "b", "c"} for b in first_batch)
+    assert h.batches[:6] == [["a", "b", "c"], ["a", "b", "c"], ["b", "c"], ["b"], ["b"], ["b"]]
     assert h.batches[6] == ["d", "e"]  # admitted only when b, the longest, finished
     assert {rid: len(out) for rid, out in h.rec.done.items()} == lengths
     h.assert_matches_oracle()
+    assert policy.pool.used_count == 0 and policy.live == 0

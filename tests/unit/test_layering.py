@@ -14,8 +14,12 @@ dependency) and each module is put in one layer:
   ``recserve.__main__``: may import everything; nothing else imports a server.
 
 Packages that do not exist yet are skipped, so a later package is covered the moment its
-folder lands; a *new* ``recserve`` subpackage or top-level package that is in no layer
-fails the test until it is placed in one here (and in DESIGN §2).
+folder lands; a *new* ``recserve`` subpackage or top-level package (any folder at the repo
+root with an ``__init__.py``, ``tests/`` aside) that is in no layer fails the test until
+it is placed in one here (and in DESIGN §2). A dotted string literal naming a repo module
+(``importlib.import_module("embedding_server.server")``, a lazy-export table) counts as an
+import for the layering rules, so a dynamic import cannot dodge them; it is not counted
+for cycles (it runs only when called, never at import time).
 
 A second check: imports inside the repo form no cycle (every import counted, deferred
 ones too, so a cycle cannot hide behind a function-level import).
@@ -46,18 +50,21 @@ CORE = (
 )
 SERVERS = ("embedding_server", "ranker", "cascade", "generation")
 ROOT = ("recserve.cluster", "recserve.cli", "recserve.gateway", "recserve.bench", "recserve.loadtest", "recserve.__main__")
-TOP_LEVEL = ("recserve",) + SERVERS  # the folders scanned (tests/ and protos/ are not product code)
+TOP_LEVEL = ("recserve",) + SERVERS  # always scanned when present
+NOT_PRODUCT = ("tests",)  # top-level packages that are not product code (protos/, docs/ have no __init__.py)
 
 
 @dataclasses.dataclass(frozen=True)
 class Import:
     """One import statement: ``module`` (importer) imports ``target`` at ``line``;
-    ``deferred``: inside a function or an ``if TYPE_CHECKING:`` block."""
+    ``deferred``: inside a function or an ``if TYPE_CHECKING:`` block; ``dynamic``: a
+    string literal naming the module (``importlib.import_module``, lazy exports)."""
 
     module: str
     target: str
     line: int
     deferred: bool
+    dynamic: bool = False
 
 
 def module_name(root: Path, path: Path) -> str:
@@ -67,11 +74,19 @@ def module_name(root: Path, path: Path) -> str:
     return ".".join(parts)
 
 
-def repo_modules(root: Path, tops: Iterable[str] = TOP_LEVEL) -> dict[str, Path]:
-    """Every module of the given top-level packages under ``root``, by dotted name;
-    packages that do not exist (yet) contribute nothing."""
+def top_level_packages(root: Path) -> tuple[str, ...]:
+    """The product's top-level packages under ``root``: :data:`TOP_LEVEL` plus every other
+    folder there with an ``__init__.py`` (a new one is scanned, and fails as in no layer,
+    the moment it lands), minus :data:`NOT_PRODUCT`."""
+    found = {p.parent.name for p in root.glob("*/__init__.py") if p.parent.name.isidentifier()}
+    return tuple(dict.fromkeys([*TOP_LEVEL, *sorted(found - set(TOP_LEVEL) - set(NOT_PRODUCT))]))
+
+
+def repo_modules(root: Path, tops: Iterable[str] | None = None) -> dict[str, Path]:
+    """Every module of the given top-level packages (default: :func:`top_level_packages`)
+    under ``root``, by dotted name; packages that do not exist (yet) contribute nothing."""
     out: dict[str, Path] = {}
-    for top in tops:
+    for top in top_level_packages(root) if tops is None else tops:
         base = root / top
         if base.is_dir():
             for path in sorted(base.rglob("*.py")):
@@ -109,8 +124,10 @@ def _walk(body: list[ast.stmt], deferred: bool) -> Iterator[tuple[ast.Import | a
 
 def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
     """The repo-internal imports of one module. ``from a import b`` counts as importing
-    ``a.b`` when that is a module of the repo, else ``a``; relative imports are resolved."""
+    ``a.b`` when that is a module of the repo, else ``a``; relative imports are resolved.
+    A dotted string literal equal to a module of ``known`` is a ``dynamic`` import of it."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    tops = set(TOP_LEVEL) | {name.split(".")[0] for name in known}
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: list[Import] = []
     for node, deferred in _walk(tree.body, False):
@@ -123,8 +140,12 @@ def imports_of(module: str, path: Path, known: set[str]) -> list[Import]:
                 base = ".".join(anchor + ([base] if base else []))
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         for target in dict.fromkeys(targets):
-            if target.split(".")[0] in TOP_LEVEL:
+            if target.split(".")[0] in tops:
                 found.append(Import(module, target, node.lineno, deferred))
+    for sub in ast.walk(tree):
+        # Dotted names only: a bare "ranker" or "cascade" is as often a config section.
+        if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and "." in sub.value and sub.value in known and sub.value != module:
+            found.append(Import(module, sub.value, sub.lineno, deferred=True, dynamic=True))
     return found
 
 
@@ -182,7 +203,7 @@ def import_cycles(root: Path) -> list[list[str]]:
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
         for imp in imports_of(module, path, known):
-            if imp.target in known:
+            if imp.target in known and not imp.dynamic:  # a dynamic import runs only when called
                 graph[module].add(imp.target)
     # Tarjan's algorithm, iterative (deep import chains would hit the recursion limit).
     index: dict[str, int] = {}
@@ -239,6 +260,23 @@ def test_the_repo_follows_the_layering_of_design_section_2() -> None:
 
 def test_the_repo_has_no_import_cycle() -> None:
     assert import_cycles(REPO) == []
+
+
+def test_every_product_package_is_packaged_and_type_checked() -> None:
+    # The rule later issues follow: a new package goes into pyproject.toml's package list
+    # and the Makefile's mypy PACKAGES when it lands.
+    import re
+    import tomllib
+
+    include = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packaged = {pattern.rstrip("*").rstrip(".") for pattern in include}
+    line = re.search(r"^PACKAGES\s*:?=\s*(.+)$", (REPO / "Makefile").read_text(), re.MULTILINE)
+    assert line is not None, "the Makefile has no PACKAGES line"
+    checked = set(line.group(1).split())
+    present = {top for top in top_level_packages(REPO) if (REPO / top / "__init__.py").exists()}
+    assert "recserve" in present and "embedding_server" in present
+    assert sorted(present - packaged) == [], "add these to pyproject.toml [tool.setuptools.packages.find] include"
+    assert sorted(present - checked) == [], "add these to the Makefile's PACKAGES (mypy)"
 
 
 # -- the checker can fail ------------------------------------------------------------------
@@ -305,6 +343,32 @@ def test_checker_skips_missing_packages_and_finds_cycles_through_deferred_import
         ["recserve.sharding.plan", "recserve.sharding.router"],
         ["recserve.sharding.ring"],
     ]
+
+
+def test_checker_covers_new_top_level_packages_and_dynamic_imports(tmp_path: Path) -> None:
+    root = _tree(
+        tmp_path,
+        {
+            # A top-level package nobody placed in a layer: scanned anyway, and reported.
+            "gateway_server/app.py": "import embedding_server.shard\n",
+            "embedding_server/shard.py": "import numpy\n",
+            # A core module reaching a server through importlib: still a violation ...
+            "recserve/lookup/client.py": "import importlib\ndef f():\n    return importlib.import_module('embedding_server.shard')\n",
+            # ... but a lazy-export table is not an import cycle (it runs only when called),
+            # and a bare word that happens to name a package ("ranker" config section) is no import.
+            "recserve/sharding/__init__.py": "_EXPORTS = {'ShardingPlan': 'recserve.sharding.plan'}\n",
+            "recserve/sharding/plan.py": "import recserve.sharding\n",
+            "recserve/config/load.py": "SECTIONS = ('ranker', 'cascade')\n",
+            "ranker/__init__.py": "",
+        },
+    )
+    assert "gateway_server" in top_level_packages(root) and "tests" not in top_level_packages(REPO)
+    problems = layering_violations(root)
+    joined = "\n".join(problems)
+    assert "module gateway_server.app is in no layer" in joined
+    assert "recserve/lookup/client.py:3: recserve.lookup.client imports embedding_server.shard (the core imports no server package)" in joined
+    assert len(problems) == 3, problems  # gateway_server and gateway_server.app in no layer, the dynamic import
+    assert import_cycles(root) == []
 
 
 @pytest.mark.parametrize(

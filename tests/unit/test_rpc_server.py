@@ -67,7 +67,7 @@ def test_unary_unary_parses_itself_and_aborts_invalid_argument() -> None:
         return embedding_pb2.GetPlanResponse(plan_version=3)
 
     original = grpc.unary_unary_rpc_method_handler(get_plan, embedding_pb2.GetPlanRequest.FromString, embedding_pb2.GetPlanResponse.SerializeToString)
-    handler = checked_handler(original, METHOD)
+    handler: Any = checked_handler(original, METHOD)
     assert handler.request_deserializer is None  # grpc hands the raw bytes over
     assert handler.response_serializer is original.response_serializer
     assert run(handler.unary_unary(GOOD, FakeContext())).plan_version == 3
@@ -87,7 +87,7 @@ def test_unary_stream_async_generator_and_writer_servicers() -> None:
         await context.write(7)
 
     for behavior in (gen, writer):
-        handler = checked_handler(grpc.unary_stream_rpc_method_handler(behavior, embedding_pb2.GetPlanRequest.FromString), METHOD)
+        handler: Any = checked_handler(grpc.unary_stream_rpc_method_handler(behavior, embedding_pb2.GetPlanRequest.FromString), METHOD)
         assert handler.response_streaming and handler.request_deserializer is None
         context = FakeContext()
 
@@ -111,7 +111,7 @@ def test_stream_request_servicers_get_invalid_argument_from_a_bad_message() -> N
     async def count(requests: AsyncIterator[Any], context: Any) -> int:
         return len([r async for r in requests])
 
-    handler = checked_handler(grpc.stream_unary_rpc_method_handler(count, embedding_pb2.GetPlanRequest.FromString), METHOD)
+    handler: Any = checked_handler(grpc.stream_unary_rpc_method_handler(count, embedding_pb2.GetPlanRequest.FromString), METHOD)
     assert handler.request_deserializer is not None
 
     async def stream(bodies: list[bytes]) -> AsyncIterator[Any]:
@@ -137,7 +137,7 @@ def test_the_interceptor_wraps_every_method_once() -> None:
         return embedding_pb2.GetPlanResponse()
 
     original = grpc.unary_unary_rpc_method_handler(get_plan, embedding_pb2.GetPlanRequest.FromString)
-    interceptor = DecodeErrorInterceptor()
+    interceptor: Any = DecodeErrorInterceptor()  # called with fake call details
 
     class Details:
         def __init__(self, method: str) -> None:

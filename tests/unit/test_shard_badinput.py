@@ -47,13 +47,19 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
-@pytest.fixture
-def core(tmp_path: Path, clock: FakeClock) -> Iterator[ShardCore]:
+def make_core(path: Path, clock: FakeClock, max_bags_per_rpc: int) -> ShardCore:
     plan = make_plan()
     layouts = layouts_from_plan(plan, SHARD)
-    store = RowStore(tmp_path / "db", {"item": DIM})
+    store = RowStore(path, {"item": DIM})
     bulk_load(store, layouts, {"item": SRC}, source_id="s", plan_version=plan.version, shard_id=SHARD, progress=False)
-    c = ShardCore(SHARD, plan.version, store, layouts, tier_dtype=RowDType.FLOAT32, row_cache_bytes=1 << 20, max_ids_per_rpc=10_000, max_bags_per_rpc=8, clock=clock)
+    return ShardCore(
+        SHARD, plan.version, store, layouts, tier_dtype=RowDType.FLOAT32, row_cache_bytes=1 << 20, max_ids_per_rpc=10_000, max_bags_per_rpc=max_bags_per_rpc, clock=clock
+    )
+
+
+@pytest.fixture
+def core(tmp_path: Path, clock: FakeClock) -> Iterator[ShardCore]:
+    c = make_core(tmp_path / "db", clock, max_bags_per_rpc=8)
     yield c
     c.close()
 
@@ -144,10 +150,12 @@ def test_the_lookup_deadline_is_checked_on_the_injected_clock(core: ShardCore, c
         core.lookup(req, deadline=100.5)
 
 
-def test_the_lookup_client_never_sends_a_duplicate(core: ShardCore) -> None:
+def test_the_lookup_client_never_sends_a_duplicate(tmp_path: Path, clock: FakeClock) -> None:
     """Requests the client builds for one window (hot, warm and cold units; a shard gets
     a table's hot and cold rows as two full-row entries) pass the shard's check. A
     hedge re-sends a subset of one unit's unique positions, so it cannot add one."""
+    # Every entry carries all of the window's bags: the default bag limit, not 8.
+    core = make_core(tmp_path / "db", clock, max_bags_per_rpc=ShardServerConfig.max_bags_per_rpc)
     plan = make_plan()
     rng = np.random.default_rng(0)
     ids = np.concatenate([rng.integers(0, ROWS, size=2000), np.arange(165)])  # repeats; every hot and warm id
@@ -161,3 +169,4 @@ def test_the_lookup_client_never_sends_a_duplicate(core: ShardCore) -> None:
         assert len(request.tables) >= 3  # hot, cold and a warm slice travel as separate entries
         outcome = core.lookup(request, float("inf"))
         assert outcome.ids == sum(len(u) for u in units) and outcome.not_owned == 0
+    core.close()

@@ -78,10 +78,13 @@ def _batches(n: int, batch: int, rng: np.random.Generator, cap: int) -> Iterator
         yield np.sort(order[lo : lo + batch])  # sorted rows read the memory-mapped log in order
 
 
-def _optimizers(model: torch.nn.Module, lr: float) -> list[torch.optim.Optimizer]:
+Model = DlrmRanker | TwoTower | L3Reranker
+
+
+def _optimizers(model: Model, lr: float) -> list[torch.optim.Optimizer]:
     """SparseAdam for the embedding tables (sparse gradients: only looked-up rows move),
     Adam for the dense layers."""
-    tables = list(tables_of(model).values())  # type: ignore[arg-type]
+    tables = list(tables_of(model).values())
     table_ids = {id(t) for t in tables}
     dense = [p for p in model.parameters() if id(p) not in table_ids]
     return [torch.optim.SparseAdam(tables, lr=lr), torch.optim.Adam(dense, lr=lr)]
@@ -89,7 +92,7 @@ def _optimizers(model: torch.nn.Module, lr: float) -> list[torch.optim.Optimizer
 
 def _fit(
     name: str,
-    model: torch.nn.Module,
+    model: Model,
     n_rows: int,
     batch: int,
     epochs: int,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import struct
 import threading
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,8 @@ from recserve.errors import FailedPrecondition
 
 log = logging.getLogger(__name__)
 
+# "1": open RocksDB with use_direct_reads (set by the launcher for a benchmark's tiered run).
+DIRECT_READS_ENV = "RECSERVE_ROCKSDB_DIRECT_READS"
 BLOOM_BITS_PER_KEY = 10  # ≈1% false positives: absent-id reads rarely touch a data block
 META_PREFIX = b"__recserve__/"
 UPSERT_COUNTER_KEY = META_PREFIX + b"upsert_counter"
@@ -98,6 +101,10 @@ class RowStore:
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
         opts.set_max_background_jobs(self._background_jobs)
+        if os.environ.get(DIRECT_READS_ENV) == "1":
+            # O_DIRECT reads: the OS page cache cannot hold the table in hiding, so a
+            # benchmark of a table bigger than RAM measures what such a user gets.
+            opts.set_use_direct_reads(True)
         table = rocksdict.BlockBasedOptions()
         table.set_bloom_filter(BLOOM_BITS_PER_KEY, False)
         table.set_block_cache(self._cache)

@@ -6,9 +6,11 @@
   sequences packed flat (decode tokens and prefill chunks together), whose K/V are
   written to and read from the paged pool through each sequence's block table.
 
-Both paths share every weight and the attention arithmetic (:func:`attend`), so greedy
-decoding through the paged path equals full recompute token for token (in float64; see
-``tests/unit/test_generation_oracle.py``).
+Both paths use the same weights and the same math; only the order of floating-point sums
+differs (decodes attend over ragged contexts with a segmented softmax,
+:func:`attend_ragged`; prefill chunks and the full path use padded :func:`attend`), so
+greedy decoding through the paged path equals full recompute token for token in float64
+(``tests/unit/test_generation_oracle.py``), where no near-tie is that close.
 """
 
 from __future__ import annotations

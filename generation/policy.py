@@ -9,7 +9,9 @@ in flight at a time (reference §10.6.4, Algorithm 1; §10.8.2, Algorithm 3):
    class first, then most remaining work (``max_new_tokens`` left plus prompt left to
    prefill) — gives its blocks back and returns to the queue with its generated tokens;
    it is recomputed when readmitted (reference §10.7.7). No admission in a step that
-   preempted, so a victim is not readmitted at once.
+   preempted for room, so a victim is not readmitted at once. Then, if the queue's head
+   is of a more urgent class than some residents and finds no room (blocks for its
+   first chunk, or a sequence slot), the least urgent of those are preempted for it.
 2. **Decodes first**, one token each, in priority / deadline order, then **prefill
    chunks** of residents still prefilling (at most ``prefill_chunk_tokens`` each), all
    within ``token_budget`` tokens per step: a long prompt advances a chunk per step and
@@ -151,6 +153,23 @@ class ContinuousBatchPolicy(PagedPolicy):
             view.preempt(victim)  # back to the queue with its generated tokens: recomputed later
             self.preemptions += 1
             preempted = True
+
+        # 1b. A queued sequence of a more urgent class than some resident takes that
+        # resident's room (blocks or slot): priority reaches into the running set.
+        head = view.peek()
+        if head is not None:
+            total = len(known_tokens(head))
+            first = min(total, cfg.prefill_chunk_tokens or total, cfg.token_budget)
+            head_blocks = -(-first // bt)  # ignores prefix hits: errs towards making room
+            lower = [h for h in residents if h.priority > head.priority]
+            while lower and (pool.free_count - need < head_blocks or len(residents) >= cfg.max_seqs):
+                victim = max(lower, key=self._victim_order)
+                lower.remove(victim)
+                residents.remove(victim)
+                need -= growth(victim)
+                self._release(victim)
+                view.preempt(victim)
+                self.preemptions += 1
 
         # 2. Decodes (one token each), then resident prefill chunks, within the budget.
         budget = cfg.token_budget

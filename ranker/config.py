@@ -46,7 +46,7 @@ class TwoTowerConfig:
     """Towers map ``embedding_dim``-wide pooled rows through one ``hidden`` layer to
     ``out_dim`` unit vectors; softmax temperature ``temperature``."""
 
-    embedding_dim: int = 32
+    embedding_dim: int = 16
     hidden: int = 128
     out_dim: int = 32
     temperature: float = 0.1
@@ -108,6 +108,9 @@ class TrainConfig:
     eval_users: int = 1000
     recall_k: int = 100
     progress: bool = True
+    # Start DLRM's and L3's item / category tables from the trained two-tower's (same
+    # widths only; see ranker.train.warm_start).
+    warm_start: bool = True
 
     def __post_init__(self) -> None:
         require(self.device in ("auto", "cpu", "cuda"), "train.device", self.device, "use 'auto', 'cpu' or 'cuda'")

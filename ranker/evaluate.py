@@ -67,21 +67,26 @@ def recall_at_k(models: TrainedModels, catalog: Catalog, users: np.ndarray, k: i
     n = catalog.num_items
     truth = catalog.truth
     item_vecs = np.asarray(catalog.item_vectors, dtype=np.float32)
-    pop_term = truth.popularity_weight * np.log(np.maximum(np.asarray(catalog.item_popularity, dtype=np.float64) * n, 1e-300))
+    # float32 score matrices: [chunk, N] passes dominate evaluation, and top-100 sets
+    # do not depend on the last bits.
+    pop_term = (truth.popularity_weight * np.log(np.maximum(np.asarray(catalog.item_popularity, dtype=np.float64) * n, 1e-300))).astype(np.float32)
     tt_items = all_item_vectors(models.two_tower, arrays)
-    popularity = np.log1p(arrays.counts.item[:, 0].astype(np.float64))
+    # Score = minus the popularity rank (most impressions first, ties by id), so the
+    # baseline is one fixed list rather than argpartition's choice among ties.
+    rank = np.empty(n, dtype=np.float32)
+    rank[np.lexsort((np.arange(n), -arrays.counts.item[:, 0]))] = np.arange(n, dtype=np.float32)
+    popularity = -rank
     tt_hits = pop_hits = 0
     for lo in range(0, len(users), USER_CHUNK):  # chunks of users bound the [chunk, N] matrices
         chunk = users[lo : lo + USER_CHUNK]
-        true_scores = truth.affinity_weight * (np.take(np.asarray(catalog.user_vectors), chunk, axis=0) @ item_vecs.T).astype(np.float64) + pop_term[None, :]
+        true_scores = np.float32(truth.affinity_weight) * (np.take(np.asarray(catalog.user_vectors), chunk, axis=0) @ item_vecs.T) + pop_term[None, :]
         _mask_history(true_scores, arrays, chunk)
         true_top = _top_k(true_scores, k)
         with torch.no_grad():
             u = user_vectors(models.two_tower, arrays, chunk).float().cpu().numpy()
-        tt_scores = (u @ tt_items.T).astype(np.float64)
+        tt_scores = u @ tt_items.T
         _mask_history(tt_scores, arrays, chunk)
-        # Ties broken by id so the baseline is a fixed list, not argpartition's choice.
-        pop_scores = np.broadcast_to(popularity - 1e-9 * np.arange(n) / n, (len(chunk), n)).copy()
+        pop_scores = np.broadcast_to(popularity, (len(chunk), n)).copy()
         _mask_history(pop_scores, arrays, chunk)
         tt_hits += int(_overlap(true_top, _top_k(tt_scores, k), n).sum())
         pop_hits += int(_overlap(true_top, _top_k(pop_scores, k), n).sum())

@@ -323,15 +323,16 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _chunked_vs_unchunked(args: argparse.Namespace, step_s: float, rng: np.random.Generator, contender: Any) -> dict[str, Any]:
-    """``--streams`` sequences decode 160 tokens each from t = 0; ``--long-prompts`` long
-    prompts arrive uniformly over the streams' first ~120 decode steps (``step_s``: the
-    saturation run's mean step, so the arrivals land while the streams run on any
-    machine). Same arrivals, chunked then unchunked; TBT counts the streams' gaps."""
+    """``--streams`` sequences decode 160 tokens each (at most ``--max-new-tokens``) from
+    t = 0; ``--long-prompts`` long prompts arrive uniformly over the streams' first ~120
+    decode steps (``step_s``: the saturation run's mean step, so the arrivals land while
+    the streams run on any machine). Same arrivals, chunked then unchunked; TBT counts
+    the streams' gaps."""
     from generation.config import ContinuousBatchConfig, KvCacheConfig
     from generation.types import GenerationRequest
 
     bt = 16
-    stream_len = 160
+    stream_len = min(160, args.max_new_tokens)
     n_long = args.long_prompts
     blocks = args.streams * -(-(args.prompt_tokens + stream_len) // bt) + (n_long + 1) * -(-(args.long_prompt_tokens + 8) // bt)
     base = ContinuousBatchConfig(kv=KvCacheConfig(num_blocks=blocks, block_tokens=bt, prefix_sharing=False),
@@ -350,9 +351,9 @@ def _chunked_vs_unchunked(args: argparse.Namespace, step_s: float, rng: np.rando
 
 def _sweep(args: argparse.Namespace, sat_rate: float, mix: Any, contender: Any, static_cfg: Any, rng: np.random.Generator) -> list[dict[str, Any]]:
     points = []
+    reqs = mix(args.sweep_requests)  # one mix for every rate: only the offered rate varies
     for frac in args.sweep_fractions:
         rate = frac * sat_rate
-        reqs = mix(args.sweep_requests)
         arrivals = poisson_arrivals(rate, count=len(reqs), rng=rng)
         point: dict[str, Any] = {"offered_per_s": rate, "fraction_of_saturation": frac}
         for kind in ("static", "continuous"):
@@ -412,11 +413,11 @@ def plot(path: str, r: dict[str, Any]) -> None:
     sweep = r["sweep"]
     offered = np.array([p["offered_per_s"] for p in sweep])
     fig, (ax_t, ax_l) = plt.subplots(1, 2, figsize=(11, 4.2), constrained_layout=True)
-    for kind in ("static", "continuous"):
-        ax_t.plot(offered, [p[kind]["tokens_per_s"] for p in sweep], marker="o", label=kind)
+    for kind, color in (("static", "tab:blue"), ("continuous", "tab:orange")):
+        ax_t.plot(offered, [p[kind]["tokens_per_s"] for p in sweep], marker="o", color=color, label=kind)
         for q, style in (("p50", "-"), ("p99", "--")):
             vals = [np.nan if p[kind][f"ttft_{q}_ms"] is None else p[kind][f"ttft_{q}_ms"] for p in sweep]
-            ax_l.plot(offered, vals, marker="o", linestyle=style, label=f"{kind} TTFT {q}")
+            ax_l.plot(offered, vals, marker="o", color=color, linestyle=style, label=f"{kind} TTFT {q}")
     ax_t.set_xlabel("offered load (requests/s, Poisson)")
     ax_t.set_ylabel("generated tokens/s")
     ax_t.set_title("throughput")

@@ -1,18 +1,33 @@
 """``recserve bench lookup``: the feature-parallel lookup client against its alternatives.
 
-Starts real shard processes (row cache capped at ``--row-cache-fraction`` of each
-shard's cold bytes, so the cold path really reads RocksDB), a ``redis-server`` when the
-binary exists, and drives every mode of :mod:`recserve.bench.lookup_modes` with the same
-Zipf request stream at the same concurrency, side by side in one run. Then a separate
-open-loop run (Poisson arrivals at a stated rate) measures the client's latency, and
-the pooled outputs of requests the client actually served are checked against an
+**Equal memory.** Redis is loaded with the table first and its ``used_memory`` read;
+recserve's DRAM tiers, shard row caches, block caches and the client's near cache are
+then capped together at that figure through the memory-budgeted planner
+(``sharding.placement = "budget"``, :mod:`recserve.bench.lookup_capacity`). The
+processes' RSS is reported beside it (``redis_rss_bytes``, ``shard_rss_bytes``), not
+capped: an idle Python shard alone is tens of MB. Every mode of
+:mod:`recserve.bench.lookup_modes` is driven with the same Zipf request stream, side by
+side in one run:
+
+* closed loop at ``--concurrency`` (C=64) and ``--concurrency-high`` (C=256): the client,
+  naive (one RPC per request per shard), Redis MGET per request (the faster of the
+  asyncio pool and sync clients on threads), Redis MGET on the client's own
+  deduplicated windows with the same near cache, and in-process TorchRec;
+* open loop: each contender's **knee** (the highest Poisson rate with >= 99% of offered
+  requests OK within ``--knee-slo-ms``; :mod:`recserve.bench.knee`), and the client's
+  unloaded p50 at ``--unloaded-rate`` (25 req/s);
+* a **tiered** run: DRAM tiers plus row cache at ``--tiered-fraction`` of the table, the
+  rest in RocksDB read with direct I/O, so the page cache does not hold it in hiding.
+
+The pooled outputs of requests the client actually served are checked against an
 in-process TorchRec ``EmbeddingBagCollection`` on the same weights. With
-``--sweep-rates`` the open-loop run is repeated for the client and naive at each offered
-rate (JSON key ``sweep``, see :mod:`recserve.bench.sweep`); ``--plot PATH`` draws it.
+``--sweep-rates`` the open-loop sweep of the client and naive also runs (JSON ``sweep``,
+:mod:`recserve.bench.sweep`; ``--plot``); ``--capacity-plot`` draws p99 against offered
+rate from the knee probes of every contender.
 
 Example::
 
-    recserve bench lookup --items 200000 --dim 64 --shards 4 --concurrency 64 \\
+    recserve bench lookup --items 200000 --dim 64 --shards 2 --concurrency 64 \\
         --ids-per-request 64 --zipf 1.05 --json
 """
 
@@ -20,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import shutil
@@ -48,7 +64,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per mode (default 5)")
     p.add_argument("--open-loop-seconds", type=float, default=4.0, help="seconds of the open-loop latency run (default 4)")
     p.add_argument("--rate", type=float, default=None, help="open-loop arrivals per second (default: half the client's closed-loop throughput)")
-    p.add_argument("--row-cache-fraction", type=float, default=0.10, help="shard row cache as a fraction of its cold bytes (default 0.10)")
+    p.add_argument("--concurrency-high", type=int, default=256, help="the second closed-loop concurrency (default 256; 0 = skip)")
+    p.add_argument("--memory-bytes", type=int, default=None, help="total cache/tier budget (default: Redis's used_memory after loading; without Redis 1.35x the raw rows)")
+    p.add_argument("--block-cache-bytes", type=int, default=4 << 20, help="RocksDB block cache per shard, inside the budget (default 4 MiB)")
+    p.add_argument("--tiered-fraction", type=float, default=0.10, help="tiered run: DRAM tiers + row cache as a fraction of the table (default 0.10)")
+    p.add_argument("--no-tiered", action="store_true", help="skip the tiered (RocksDB, direct reads) run")
+    p.add_argument("--no-knees", action="store_true", help="skip the knee searches (knee fields null)")
+    p.add_argument("--knee-seconds", type=float, default=1.5, help="seconds of each knee probe (default 1.5)")
+    p.add_argument("--knee-slo-ms", type=float, default=20.0, help="a request is OK if answered, not degraded, within this (default 20 ms)")
+    p.add_argument("--unloaded-rate", type=float, default=25.0, help="open-loop rate of the unloaded-latency run (default 25 req/s)")
+    p.add_argument("--unloaded-seconds", type=float, default=4.0, help="seconds of the unloaded-latency run (default 4)")
+    p.add_argument("--capacity-plot", default=None, metavar="PATH", help="write a PNG of p99 vs offered rate (the knee probes) for every contender")
+    p.add_argument("--grpc-experiments", default=None, help="GRPC_EXPERIMENTS for the shard processes (default: lookup.grpc_experiments)")
     p.add_argument("--near-cache-rows", type=int, default=None, help="client near-cache rows (default: the plan's hot tier, 1%% of items)")
     p.add_argument("--window-ms", type=float, default=1.0, help="lookup window (default 1 ms)")
     p.add_argument("--max-window-ms", type=float, default=2.0, help="adaptive window cap (default 2 ms)")
@@ -90,6 +117,13 @@ def run(args: argparse.Namespace) -> int:
         title = f"recserve bench lookup: {c['items']:,} x {c['dim']} rows, {c['shards']} shards, {c['ids_per_request']} ids/request, Zipf {c['zipf']}"
         plot_sweep(args.plot, report["sweep"], SWEEP_MODES, title=title, slo_ms=args.slo_ms)
         _log(f"sweep plot written to {args.plot}")
+    if args.capacity_plot is not None and report.get("knees"):
+        from recserve.bench.lookup_capacity import plot_capacity
+
+        c = report["config"]
+        plot_capacity(args.capacity_plot, {n: k["curve"] for n, k in report["knees"].items()}, slo_ms=args.knee_slo_ms,
+                      title=f"p99 vs offered rate: {c['items']:,} x {c['dim']}, {c['shards']} shards, {c['ids_per_request']} ids/request, equal memory")
+        _log(f"capacity plot written to {args.capacity_plot}")
     if args.json:
         print(json.dumps(report))
     else:
@@ -102,12 +136,14 @@ def _log(msg: str) -> None:
 
 
 def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from recserve.bench.lookup_modes import Stream
+    from recserve.bench import lookup_capacity as cap
+    from recserve.bench.lookup_modes import Stream, load_redis
+    from recserve.bench.redis_proc import start_redis
     from recserve.catalog.items import make_popularity
     from recserve.catalog.zipf import PopularitySampler
     from recserve.cluster.shards import ShardCluster
-    from recserve.config.spec import FeatureConfig, ShardingConfig, ShardServerConfig, TableConfig
-    from recserve.sharding.planner import plan_tables
+    from recserve.config.spec import FeatureConfig, LookupConfig, ShardServerConfig, TableConfig
+    from recserve.lookup.transport import transport_env
 
     rng = np.random.default_rng(args.seed)
     popularity, order = make_popularity(rng, args.items, args.zipf)
@@ -115,23 +151,52 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     np.save(workdir / "item.npy", weights)
     table = TableConfig("item", rows=args.items, dim=args.dim, pooling="sum")
     feature = FeatureConfig("item_id", "item")
-    sharding = ShardingConfig(num_shards=args.shards, hot_replicas=min(2, args.shards))
-    plan = plan_tables([table], {"item": popularity}, sharding, seed=args.seed).plan
-    plan.save(workdir / "plan.json")
-    cold_bytes_per_shard = plan.table("item").num_cold * args.dim * 4 // args.shards
-    row_cache_bytes = int(args.row_cache_fraction * cold_bytes_per_shard)
-
     k, b = args.ids_per_request, args.bags
     lengths = np.diff(np.linspace(0, k, b + 1).astype(np.int64))
     n_requests = args.stream_requests
     stream = Stream(ids=PopularitySampler(popularity, order).sample(n_requests * k, rng).reshape(n_requests, k), lengths=lengths)
-    _log(f"{args.items:,} x {args.dim} rows, {args.shards} shards, {n_requests:,} requests of {k} ids; row cache {row_cache_bytes:,} B/shard")
+    lookup_cfg = LookupConfig(window_ms=args.window_ms, max_window_ms=args.max_window_ms)
+    if args.grpc_experiments is not None:
+        lookup_cfg = dataclasses.replace(lookup_cfg, grpc_experiments=args.grpc_experiments)
+    env = transport_env(lookup_cfg)
 
-    server = ShardServerConfig(threads=1, row_cache_bytes=row_cache_bytes)
-    t0 = time.perf_counter()
-    with ShardCluster(workdir / "plan.json", workdir / "data", load_from=workdir, server=server) as cluster:
-        _log(f"shards SERVING after {time.perf_counter() - t0:.1f} s")
-        report = asyncio.run(_network_modes(args, workdir, plan, table, feature, weights, stream, cluster))
+    # Redis first: its used_memory after loading is the equal-memory budget.
+    redis_proc, redis_reason = (None, "skipped (--no-redis)") if args.no_redis else start_redis(workdir)
+    report: dict[str, Any] = {"redis_reason": redis_reason or None, "redis_used_memory": None, "redis_rss_bytes": None}
+    try:
+        if redis_proc is not None:
+            _log("loading redis")
+            asyncio.run(_load_redis(redis_proc.port, weights, load_redis))
+            mem = cap.redis_memory(redis_proc.port)
+            report["redis_used_memory"], report["redis_rss_bytes"] = mem["used_memory"], mem["used_memory_rss"]
+        raw_bytes = args.items * args.dim * 4
+        total = args.memory_bytes or report["redis_used_memory"] or int(1.35 * raw_bytes)
+        report["memory_budget_source"] = "--memory-bytes" if args.memory_bytes else ("redis used_memory" if report["redis_used_memory"] else "1.35x raw rows (no Redis)")
+        near_rows = max(1, int(round(0.01 * args.items))) if args.near_cache_rows is None else args.near_cache_rows
+        budget = cap.split_budget(total, args.shards, near_cache_rows=near_rows, dim=args.dim, block_cache_bytes=args.block_cache_bytes)
+        result = cap.plan_for_budget(table, popularity, args.shards, budget.shard_memory_bytes, warm_fraction=0.99, seed=args.seed)
+        plan = result.plan
+        plan.save(workdir / "plan.json")
+        row_cache_bytes = int(result.row_cache_bytes.min())
+        report["recserve_data_bytes"] = cap.data_bytes(result, budget, row_cache_bytes)
+        report["memory_budget"] = budget.to_dict()
+        report["tiers"] = result.tier_rows()
+        _log(f"{args.items:,} x {args.dim} rows, {args.shards} shards, {n_requests:,} requests of {k} ids; budget {total:,} B "
+             f"({report['memory_budget_source']}): {report['tiers'][0]['hot_ids']:,} hot, {report['tiers'][0]['warm_ids']:,} warm, "
+             f"{report['tiers'][0]['cold_ids']:,} cold ids; row cache {row_cache_bytes:,} B/shard")  # fmt: skip
+
+        server = ShardServerConfig(threads=1, row_cache_bytes=row_cache_bytes, block_cache_bytes=args.block_cache_bytes)
+        t0 = time.perf_counter()
+        with ShardCluster(workdir / "plan.json", workdir / "data", load_from=workdir, server=server, env=env) as cluster:
+            _log(f"shards SERVING after {time.perf_counter() - t0:.1f} s")
+            report.update(asyncio.run(_network_modes(args, plan, table, feature, weights, stream, cluster, lookup_cfg, near_rows, redis_proc)))
+            rss = [cap.rss_bytes(cluster.pid(s)) for s in range(args.shards)]
+            report["shard_rss_bytes"] = None if None in rss else int(sum(r for r in rss if r is not None))
+        if not args.no_tiered:
+            report.update(_tiered(args, table, feature, popularity, stream, workdir, lookup_cfg, env))
+    finally:
+        if redis_proc is not None:
+            redis_proc.stop()
     _log("torchrec local")
     from recserve.bench.lookup_modes import torchrec_local
 
@@ -139,53 +204,102 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     report["rows_per_s"]["torchrec_local"] = local.rows_per_s(k)
     report.update(_check(ebc, stream, report.pop("_checks")))
     _ratios(report)
+    t = plan.table("item")
     report["config"] = {
         "items": args.items, "dim": args.dim, "shards": args.shards, "concurrency": args.concurrency,
-        "ids_per_request": k, "bags_per_request": b, "zipf": args.zipf, "seconds_per_mode": args.seconds,
-        "row_cache_bytes_per_shard": row_cache_bytes, "window_ms": args.window_ms, "max_window_ms": args.max_window_ms,
-        "hot_rows": int(plan.table("item").hot_ids.size), "warm_rows": int(plan.table("item").warm_ids.size),
-        "column_splits": plan.table("item").column_splits,
+        "concurrency_high": args.concurrency_high, "ids_per_request": k, "bags_per_request": b, "zipf": args.zipf,
+        "seconds_per_mode": args.seconds, "row_cache_bytes_per_shard": row_cache_bytes, "window_ms": args.window_ms,
+        "max_window_ms": args.max_window_ms, "close_at_dispatch": lookup_cfg.close_at_dispatch,
+        "grpc_experiments": lookup_cfg.grpc_experiments, "hot_rows": int(t.hot_ids.size), "warm_rows": int(t.warm_ids.size),
+        "cold_rows": t.num_cold, "column_splits": t.column_splits, "knee_seconds": args.knee_seconds, "knee_slo_ms": args.knee_slo_ms,
+        "tiered_fraction": args.tiered_fraction,
     }  # fmt: skip
     if args.sweep_rates is not None:
         report["config"].update(sweep_seconds=args.sweep_seconds, sweep_timeout_ms=args.sweep_timeout_ms, slo_ms=args.slo_ms)
     return report
 
 
-async def _network_modes(args: argparse.Namespace, workdir: Path, plan: Any, table: Any, feature: Any, weights: np.ndarray, stream: Any, cluster: Any) -> dict[str, Any]:
-    from recserve.bench.lookup_modes import closed_loop, make_kjt, naive_handler, open_loop
-    from recserve.bench.sweep import percentile_ms
-    from recserve.config.spec import LookupConfig
+async def _load_redis(port: int, weights: np.ndarray, load: Any) -> None:
+    import redis.asyncio as aioredis
+
+    r = aioredis.Redis(host="127.0.0.1", port=port)
+    try:
+        await load(r, weights)
+    finally:
+        await r.aclose()
+
+
+def _tiered(args: argparse.Namespace, table: Any, feature: Any, popularity: np.ndarray, stream: Any, workdir: Path, lookup_cfg: Any, env: dict[str, str]) -> dict[str, Any]:
+    """The bigger-than-RAM case: DRAM tiers (hot, then warm up to half of it) plus row
+    cache at ``--tiered-fraction`` of the table, the rest in RocksDB with direct reads."""
+    from embedding_server.store import DIRECT_READS_ENV
+    from recserve.bench import lookup_capacity as cap
+    from recserve.cluster.shards import ShardCluster
+    from recserve.config.spec import ShardServerConfig
+
+    per_shard = int(args.tiered_fraction * args.items * args.dim * 4 / args.shards)
+    result = cap.plan_for_budget(table, popularity, args.shards, per_shard, warm_fraction=args.tiered_fraction / 2, seed=args.seed)
+    tdir = workdir / "tiered"
+    tdir.mkdir(exist_ok=True)
+    result.plan.save(tdir / "plan.json")
+    row_cache = int(result.row_cache_bytes.min())
+    server = ShardServerConfig(threads=1, row_cache_bytes=row_cache, block_cache_bytes=args.block_cache_bytes)
+    _log(f"tiered run: {result.tier_rows()[0]['cold_ids']:,} of {args.items:,} ids in RocksDB (direct reads), row cache {row_cache:,} B/shard")
+    with ShardCluster(tdir / "plan.json", tdir / "data", load_from=workdir, server=server, env={**env, DIRECT_READS_ENV: "1"}) as cluster:
+        rows = asyncio.run(_tiered_client(args, result.plan, table, feature, stream, cluster, lookup_cfg))
+    return {"tiered_rows_per_s": rows, "tiered": {"tiers": result.tier_rows(), "row_cache_bytes_per_shard": row_cache, "dram_bytes_per_shard": result.bytes_per_shard["dram"].tolist()}}
+
+
+async def _tiered_client(args: argparse.Namespace, plan: Any, table: Any, feature: Any, stream: Any, cluster: Any, lookup_cfg: Any) -> float:
+    from recserve.bench.lookup_modes import closed_loop, make_kjt
+
+    client = _make_client(args, plan, table, feature, cluster, lookup_cfg, int(plan.table("item").hot_ids.size))
+    await client.start()
+    try:
+        async def fp(i: int) -> None:
+            await client.lookup(make_kjt(stream.ids[i], stream.lengths, stream.feature), pooled=True, timeout_s=5.0)
+
+        await closed_loop(args.concurrency, min(1.0, args.seconds), stream.ids.shape[0], fp)  # warm-up: the row cache fills
+        res = await closed_loop(args.concurrency, args.seconds, stream.ids.shape[0], fp)
+        return res.rows_per_s(stream.ids_per_request)
+    finally:
+        await client.aclose()
+
+
+def _make_client(args: argparse.Namespace, plan: Any, table: Any, feature: Any, cluster: Any, lookup_cfg: Any, near_rows: int) -> Any:
     from recserve.lookup.client import LookupClient
     from recserve.lookup.config import LookupClientConfig
+
+    lookup = dataclasses.replace(lookup_cfg, target_ids=args.target_ids, max_inflight_batches=args.max_inflight, near_cache_rows=near_rows)
+    return LookupClient.connect(LookupClientConfig(tables=(table,), features=(feature,), lookup=lookup), plan, cluster.addresses)
+
+
+async def _network_modes(
+    args: argparse.Namespace, plan: Any, table: Any, feature: Any, weights: np.ndarray, stream: Any, cluster: Any,
+    lookup_cfg: Any, near_rows: int, redis_proc: Any,
+) -> dict[str, Any]:
+    from recserve.bench import lookup_capacity as cap
+    from recserve.bench.lookup_modes import closed_loop, make_kjt, naive_handler, open_loop
+    from recserve.bench.sweep import percentile_ms
     from recserve.lookup.transport import GrpcShardTransport
 
     k = stream.ids_per_request
-    near_rows = int(plan.table("item").hot_ids.size) if args.near_cache_rows is None else args.near_cache_rows
-    config = LookupClientConfig(
-        tables=(table,),
-        features=(feature,),
-        lookup=LookupConfig(
-            window_ms=args.window_ms,
-            max_window_ms=args.max_window_ms,
-            target_ids=args.target_ids,
-            max_inflight_batches=args.max_inflight,
-            near_cache_rows=near_rows,
-        ),
-    )
-    client = LookupClient.connect(config, plan, cluster.addresses)
+    client = _make_client(args, plan, table, feature, cluster, lookup_cfg, near_rows)
     await client.start()
     checks: dict[int, np.ndarray] = {}
     # Callers (a ranker) hold their features as a KJT already: build them before timing.
     _log("building request KJTs")
     kjts = [make_kjt(stream.ids[i], stream.lengths, stream.feature) for i in range(min(args.prebuilt_kjts, stream.ids.shape[0]))]
 
+    def kjt_of(i: int) -> Any:
+        return kjts[i] if i < len(kjts) else make_kjt(stream.ids[i], stream.lengths, stream.feature)
+
     async def fp(i: int) -> None:
-        kjt = kjts[i] if i < len(kjts) else make_kjt(stream.ids[i], stream.lengths, stream.feature)
-        res = await client.lookup(kjt, pooled=True, timeout_s=5.0)
+        res = await client.lookup(kjt_of(i), pooled=True, timeout_s=5.0)
         if i < args.check_requests and res.pooled is not None:
             checks[i] = res.pooled.values().numpy()
 
-    report: dict[str, Any] = {"rows_per_s": dict.fromkeys(MODES)}
+    report: dict[str, Any] = {"rows_per_s": dict.fromkeys(MODES), "rows_per_s_c_high": {}}
     total = stream.ids.shape[0]
     gc.collect()
     gc.freeze()  # start-up objects (torch, torchrec, the stream) leave the GC's working set
@@ -196,7 +310,7 @@ async def _network_modes(args: argparse.Namespace, workdir: Path, plan: Any, tab
         before = await _shard_counters(client)
         stats0 = dict(client.stats.as_dict())
         hits0, lookups0 = _near(client)
-        _log("feature-parallel client")
+        _log(f"feature-parallel client, C={args.concurrency}")
         res = await closed_loop(args.concurrency, args.seconds, total, fp)
         after = await _shard_counters(client)
         server_ms = await _server_latency_ms(client)
@@ -220,32 +334,53 @@ async def _network_modes(args: argparse.Namespace, workdir: Path, plan: Any, tab
         }  # fmt: skip
         per_window = 1000.0 / max(d["windows"], 1)
         report["profile_ms_per_window"] = {
-            "dedup_route": d["prep_s"] * per_window,  # merge, np.unique, near cache, routing
+            "dedup_route": d["prep_s"] * per_window,  # merge, dedup, near cache, routing
             "serialisation": d["serialise_s"] * per_window,  # packing requests, decoding replies
             "rpc": d["rpc_wall_s"] * per_window,  # first send to last reply (wall)
             "gather": (d["scatter_s"] + d["gather_s"]) * per_window,  # rows into window matrices, per-caller takes
             "pooling": d["pool_s"] * per_window,  # embedding_bag + per-caller results
         }
         report["_checks"] = dict(checks)
+        if args.concurrency_high:
+            _log(f"feature-parallel client, C={args.concurrency_high}")
+            res = await closed_loop(args.concurrency_high, args.seconds, total, fp)
+            report["rows_per_s_c_high"]["feature_parallel"] = res.rows_per_s(k)
 
         _log("naive: one RPC per request per shard")
         naive_transport = GrpcShardTransport(cluster.addresses)
+        naive = naive_handler(naive_transport, plan, stream, table.dim)
+        redis: dict[str, Any] = {}
         try:
-            res = await closed_loop(args.concurrency, args.seconds, total, naive_handler(naive_transport, plan, stream, table.dim))
+            res = await closed_loop(args.concurrency, args.seconds, total, naive)
             report["rows_per_s"]["naive"] = res.rows_per_s(k)
+            redis = await _redis_modes(args, weights, stream, report["client"]["callers_per_window"], plan, redis_proc)
+            fields = redis.pop("report")
+            report["rows_per_s"].update(fields.pop("rows_per_s", {}))
+            report["rows_per_s_c_high"].update(fields.pop("rows_per_s_c_high", {}))
+            report.update(fields)
+
+            rate = args.rate if args.rate is not None else 0.5 * fp_req_per_s
+            _log(f"open loop at {rate:.0f} requests/s")
+            latencies, failures = await open_loop(rate, args.open_loop_seconds, total, fp, seed=args.seed + 1)
+            report["open_loop_rate_per_s"] = rate
+            report["p50_ms"] = percentile_ms(latencies, 50)
+            report["p99_ms"] = percentile_ms(latencies, 99)
+            report["open_loop_requests"] = int(latencies.size)
+            report["open_loop_failures"] = failures
+
+            _log(f"unloaded: open loop at {args.unloaded_rate:g} requests/s")
+            latencies, failures = await open_loop(args.unloaded_rate, args.unloaded_seconds, total, fp, seed=args.seed + 3)
+            report["unloaded_rate_per_s"] = args.unloaded_rate
+            report["unloaded_p50_ms"] = percentile_ms(latencies, 50)
+            report["unloaded_p99_ms"] = percentile_ms(latencies, 99)
+
+            report["knees"] = None
+            if not args.no_knees:
+                report["knees"] = await _knees(args, client, kjt_of, naive, redis.get("per_request_handler"), fp_req_per_s, total)
         finally:
+            if redis.get("close") is not None:
+                await redis["close"]()
             await naive_transport.close()
-
-        report.update(await _redis_modes(args, workdir, weights, stream, report["client"]["callers_per_window"]))
-
-        rate = args.rate if args.rate is not None else 0.5 * fp_req_per_s
-        _log(f"open loop at {rate:.0f} requests/s")
-        latencies, failures = await open_loop(rate, args.open_loop_seconds, total, fp, seed=args.seed + 1)
-        report["open_loop_rate_per_s"] = rate
-        report["p50_ms"] = percentile_ms(latencies, 50)
-        report["p99_ms"] = percentile_ms(latencies, 99)
-        report["open_loop_requests"] = int(latencies.size)
-        report["open_loop_failures"] = failures
         if args.sweep_rates is not None:
             from recserve.bench.lookup_modes import client_vs_naive_sweep
 
@@ -259,6 +394,36 @@ async def _network_modes(args: argparse.Namespace, workdir: Path, plan: Any, tab
     finally:
         await client.aclose()
     return report
+
+
+async def _knees(args: argparse.Namespace, client: Any, kjt_of: Any, naive: Any, redis_handle: Any, fp_req_per_s: float, total: int) -> dict[str, Any]:
+    """Each contender's knee (same arrivals per probe rate, deadline = arrival + SLO): the
+    client answers degraded at its deadline, naive and Redis are cancelled and fail."""
+    from recserve.bench import lookup_capacity as cap
+
+    slo_s = args.knee_slo_ms / 1000.0
+
+    async def fp(i: int, deadline: float) -> bool:
+        return not (await client.lookup(kjt_of(i), pooled=True, deadline=deadline)).degraded
+
+    def timed(handle: Any) -> Any:
+        async def run(i: int, deadline: float) -> None:
+            await asyncio.wait_for(handle(i), max(deadline - time.monotonic(), 1e-4))
+
+        return run
+
+    contenders: dict[str, Any] = {"feature_parallel": fp, "naive": timed(naive)}
+    if redis_handle is not None:
+        contenders["redis_mget"] = timed(redis_handle)
+    # The bracket: from well below any contender's knee up to about 2x what the client
+    # did closed loop (an open-loop knee above that would be a measurement error).
+    hi = max(4.0 * 25.0, 2.0 * fp_req_per_s)
+    out: dict[str, Any] = {}
+    for j, (name, handle) in enumerate(contenders.items()):
+        _log(f"knee of {name} (bisection in [{25:g}, {hi:,.0f}] req/s, {args.knee_seconds:g} s probes)")
+        gc.collect()
+        out[name] = await cap.knee_of(handle, lo_rps=25.0, hi_rps=hi, seconds=args.knee_seconds, total=total, slo_s=slo_s, seed=args.seed + 100 * (j + 1))
+    return out
 
 
 def _near(client: Any) -> tuple[int, int]:
@@ -277,39 +442,47 @@ async def _server_latency_ms(client: Any) -> tuple[float, float]:
     return float(np.median([i.p50_ms for i in infos])), float(np.median([i.p99_ms for i in infos]))
 
 
-async def _redis_modes(args: argparse.Namespace, workdir: Path, weights: np.ndarray, stream: Any, callers_per_window: float) -> dict[str, Any]:
-    from recserve.bench.lookup_modes import closed_loop, load_redis, redis_handler, redis_window_handler
-    from recserve.bench.redis_proc import start_redis
+async def _redis_modes(args: argparse.Namespace, weights: np.ndarray, stream: Any, callers_per_window: float, plan: Any, redis_proc: Any) -> dict[str, Any]:
+    """Redis MGET per request (best of the asyncio pool and sync clients on threads) and
+    per deduplicated window with the client's near cache, at C and C-high. Returns
+    ``report`` (fields), ``per_request_handler`` (for the knee) and ``close``."""
+    from recserve.bench import lookup_capacity as cap
+    from recserve.bench.lookup_modes import closed_loop, redis_handler
 
-    out: dict[str, Any] = {"redis_reason": None, "redis_window_requests": None}
-    if args.no_redis:
-        out["redis_reason"] = "skipped (--no-redis)"
-        return out
-    proc, reason = start_redis(workdir)
-    if proc is None:
-        out["redis_reason"] = reason
-        return out
+    report: dict[str, Any] = {"redis_window_requests": None, "redis_rows_per_s": {}}
+    if redis_proc is None:
+        return {"report": report}
     import redis.asyncio as aioredis
 
     k = stream.ids_per_request
-    r = aioredis.Redis(host="127.0.0.1", port=proc.port)
-    try:
-        _log("loading redis")
-        await load_redis(r, weights)
-        _log("redis MGET per request")
-        res = await closed_loop(args.concurrency, args.seconds, stream.ids.shape[0], redis_handler(r, stream, weights.shape[1]))
-        rows = {"redis_mget": res.rows_per_s(k)}
-        window = max(1, int(round(callers_per_window)))
-        _log(f"redis MGET per window of {window} requests")
-        workers = max(1, args.concurrency // window)
-        res = await closed_loop(workers, args.seconds, stream.ids.shape[0] // window, redis_window_handler(r, stream, weights.shape[1], window))
-        rows["redis_mget_dedup"] = res.requests * window * k / res.seconds
-        out["redis_rows_per_s"] = rows
-        out["redis_window_requests"] = window
-    finally:
-        await r.aclose()
-        proc.stop()
-    return out
+    dim = weights.shape[1]
+    total = stream.ids.shape[0]
+    concurrencies = [c for c in (args.concurrency, args.concurrency_high) if c]
+    r = aioredis.Redis(host="127.0.0.1", port=redis_proc.port, max_connections=max(concurrencies))
+    handler = redis_handler(r, stream, dim)
+    near_ids = np.sort(plan.table(stream.table).hot_ids)  # the client's near cache: the plan's hot ids
+    window = max(1, int(round(callers_per_window)))
+    rows: dict[str, Any] = {}
+    for c in concurrencies:
+        _log(f"redis MGET per request, C={c}: asyncio pool")
+        res = await closed_loop(c, args.seconds, total, handler)
+        pool = res.rows_per_s(k)
+        _log(f"redis MGET per request, C={c}: sync clients on threads")
+        threads = await asyncio.to_thread(cap.redis_threads_closed_loop, redis_proc.port, stream.ids, stream.lengths, dim, c, args.seconds)
+        _log(f"redis MGET per window of {window} requests, near cache of {near_ids.size:,} rows, C={c}")
+        workers = max(1, c // window)
+        wh = cap.redis_near_window_handler(r, stream.ids, stream.lengths, weights, window, near_ids)
+        res = await closed_loop(workers, args.seconds, total // window, wh)
+        rows[c] = {"per_request_asyncio": pool, "per_request_threads": threads, "per_request": max(pool, threads),
+                   "dedup": res.requests * window * k / res.seconds}
+    lo = rows[args.concurrency]
+    report["rows_per_s"] = {"redis_mget": lo["per_request"], "redis_mget_dedup": lo["dedup"]}
+    report["redis_rows_per_s"] = {str(c): v for c, v in rows.items()}
+    report["redis_window_requests"] = window
+    if args.concurrency_high:
+        hi = rows[args.concurrency_high]
+        report["rows_per_s_c_high"] = {"redis_mget": hi["per_request"], "redis_mget_dedup": hi["dedup"]}
+    return {"report": report, "per_request_handler": handler, "close": r.aclose}
 
 
 async def _reference(client: Any, weights: np.ndarray) -> dict[str, float]:
@@ -347,16 +520,30 @@ def _check(ebc: Any, stream: Any, checks: dict[int, np.ndarray]) -> dict[str, An
 
 
 def _ratios(report: dict[str, Any]) -> None:
+    """The issue's ratios under explicit names (None where a side was not measured)."""
     from recserve.bench.lookup_modes import safe_ratio
 
     rows = report["rows_per_s"]
-    redis_rows = report.pop("redis_rows_per_s", None) or {}
-    rows.update(redis_rows)
+    high = report.get("rows_per_s_c_high") or {}
     fp = rows["feature_parallel"]
     best_redis = max((v for v in (rows.get("redis_mget"), rows.get("redis_mget_dedup")) if v is not None), default=None)
     report["speedup_vs_naive"] = safe_ratio(fp, rows["naive"])
-    report["speedup_vs_redis"] = safe_ratio(fp, best_redis)
+    report["speedup_vs_redis"] = safe_ratio(fp, best_redis)  # the landed key: the better Redis mode
+    report["speedup_vs_redis_per_request_c64"] = safe_ratio(fp, rows.get("redis_mget"))
+    report["speedup_vs_redis_dedup_c64"] = safe_ratio(fp, rows.get("redis_mget_dedup"))
+    report["speedup_vs_redis_per_request_c256"] = safe_ratio(high.get("feature_parallel"), high.get("redis_mget"))
+    report["speedup_vs_redis_dedup_c256"] = safe_ratio(high.get("feature_parallel"), high.get("redis_mget_dedup"))
     report["fraction_of_local"] = safe_ratio(fp, rows["torchrec_local"])
+    knees = report.get("knees") or {}
+
+    def knee(name: str) -> float | None:
+        return (knees.get(name) or {}).get("knee_per_s")
+
+    report["knee_per_s"] = {name: knee(name) for name in knees} if knees else None
+    report["knee_ratio_vs_redis"] = safe_ratio(knee("feature_parallel"), knee("redis_mget"))
+    report["knee_ratio_vs_naive"] = safe_ratio(knee("feature_parallel"), knee("naive"))
+    tiered = report.get("tiered_rows_per_s")
+    report["equal_memory_vs_tiered"] = safe_ratio(fp, tiered)  # goal: <= 2
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -383,6 +570,26 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     if r.get("redis_reason"):
         lines.append(f"redis: {r['redis_reason']}")
+    high = r.get("rows_per_s_c_high") or {}
+    lines += [
+        f"C={c.get('concurrency_high')}: client {f(high.get('feature_parallel'))} rows/s, redis per request {f(high.get('redis_mget'))}, redis dedup {f(high.get('redis_mget_dedup'))}",
+        f"vs redis per request: C={c['concurrency']} {f(r.get('speedup_vs_redis_per_request_c64'), '.2f')}  C={c.get('concurrency_high')} {f(r.get('speedup_vs_redis_per_request_c256'), '.2f')}   "
+        f"vs redis dedup: {f(r.get('speedup_vs_redis_dedup_c64'), '.2f')} / {f(r.get('speedup_vs_redis_dedup_c256'), '.2f')}",
+        f"memory: redis used_memory {f(r.get('redis_used_memory'))} B (rss {f(r.get('redis_rss_bytes'))}), recserve data {f(r.get('recserve_data_bytes'))} B, shard rss {f(r.get('shard_rss_bytes'))} B",
+        f"unloaded ({f(r.get('unloaded_rate_per_s'), 'g')} req/s): p50 {f(r.get('unloaded_p50_ms'), '.2f')} ms  p99 {f(r.get('unloaded_p99_ms'), '.2f')} ms",
+        f"tiered ({c.get('tiered_fraction', 0.1):.0%} DRAM, RocksDB direct reads): {f(r.get('tiered_rows_per_s'))} rows/s; equal memory / tiered {f(r.get('equal_memory_vs_tiered'), '.2f')}",
+    ]
+    if r.get("knees"):
+        lines.append(f"knees (>= 99% OK within {c.get('knee_slo_ms')} ms): " + "  ".join(f"{n} {f(v)}/s ({r['knees'][n]['status']})" for n, v in r["knee_per_s"].items())
+                     + f"   ratio vs redis {f(r.get('knee_ratio_vs_redis'), '.2f')}, vs naive {f(r.get('knee_ratio_vs_naive'), '.2f')}")
+        lines.append(f"{'offered/s':>10}  " + "  ".join(f"{n + ' p99 ms':>24}" for n in r["knees"]))
+        rates = sorted({round(rate, 1) for k in r["knees"].values() for rate, _ in k["curve"]})
+        for rate in rates:
+            cells = []
+            for k in r["knees"].values():
+                p = [p99 for x, p99 in k["curve"] if round(x, 1) == rate]
+                cells.append(f"{f(p[0] if p else None, '.2f'):>24}")
+            lines.append(f"{rate:>10,.0f}  " + "  ".join(cells))
     cl = r["client"]
     lines += [
         f"client: {cl['windows']:,} windows, {cl['callers_per_window']:.1f} callers/window, {cl['ids_per_rpc']:.0f} ids/RPC, "

@@ -23,7 +23,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -67,6 +67,7 @@ class ShardCluster:
         fault_hook: bool = False,
         admin_token: str = "",
         extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
         start_timeout_s: float = 60.0,
         python: str = sys.executable,
     ) -> None:
@@ -83,6 +84,9 @@ class ShardCluster:
         self.fault_hook = fault_hook
         self.admin_token = admin_token
         self.extra_args = tuple(extra_args)
+        # Process-start settings for every shard (e.g. GRPC_EXPERIMENTS, MALLOC_*: gRPC and
+        # glibc read them only when the process starts), on top of this process's env.
+        self.extra_env = dict(env or {})
         self.start_timeout_s = start_timeout_s
         self.python = python
         self._procs: dict[int, _Proc] = {}
@@ -180,6 +184,7 @@ class ShardCluster:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
         env.update(thread_env(self.server.threads))
+        env.update(self.extra_env)
         if self.admin_token:
             env["RECSERVE_ADMIN_TOKEN"] = self.admin_token
         return env

@@ -169,6 +169,11 @@ class LookupConfig:
     near_cache_rows: int = 0
     near_cache_staleness_ms: float = 100.0
     close_at_dispatch: bool = True
+    # Transport (process-start settings the launcher passes to every shard it starts;
+    # the client's own process must have them in its environment before grpc loads).
+    grpc_experiments: str = ""  # GRPC_EXPERIMENTS, e.g. "-event_engine_client,-event_engine_listener"; "" = gRPC's default I/O path
+    http2_max_frame_bytes: int = 0  # the client channels' grpc.http2.max_frame_size; 0 = gRPC's default (16 KiB)
+    shard_malloc_mmap_threshold_bytes: int = 0  # MALLOC_MMAP/TRIM_THRESHOLD_ of shards: keep replies off fresh mmaps; 0 = glibc's
 
     def __post_init__(self) -> None:
         _require(0.0 <= self.window_ms <= self.max_window_ms, "lookup.window_ms", self.window_ms, f"use 0..max_window_ms ({self.max_window_ms})")
@@ -179,6 +184,11 @@ class LookupConfig:
         _require(0.0 <= self.hedge_budget <= 1.0, "lookup.hedge_budget", self.hedge_budget, "use a fraction of RPCs in [0, 1]")
         _require(self.near_cache_rows >= 0, "lookup.near_cache_rows", self.near_cache_rows, "use >= 0 rows (0 disables the near cache)")
         _require(self.near_cache_staleness_ms >= 0, "lookup.near_cache_staleness_ms", self.near_cache_staleness_ms, "use >= 0 ms")
+        _require(all(p.strip().lstrip("-").replace("_", "").isalnum() for p in self.grpc_experiments.split(",")) if self.grpc_experiments else True,
+                 "lookup.grpc_experiments", self.grpc_experiments, "give comma-separated gRPC experiment names, each optionally prefixed by '-'")
+        _require(self.http2_max_frame_bytes == 0 or 16384 <= self.http2_max_frame_bytes <= 16777215, "lookup.http2_max_frame_bytes",
+                 self.http2_max_frame_bytes, "use 0 (gRPC default) or 16384..16777215 bytes (HTTP/2's range)")
+        _require(self.shard_malloc_mmap_threshold_bytes >= 0, "lookup.shard_malloc_mmap_threshold_bytes", self.shard_malloc_mmap_threshold_bytes, "use >= 0 bytes (0 = glibc's default)")
 
 
 @dataclasses.dataclass(frozen=True)

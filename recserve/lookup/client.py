@@ -45,7 +45,7 @@ from recserve.lookup.types import LookupResult
 from recserve.lookup.upsert import send_upsert
 from recserve.lookup.validate import validate_features
 from recserve.rpc.deadline import context_from_header, make_header
-from recserve.scheduling import Batch, Failed, FeatureParallelConfig, FeatureParallelPolicy, Scheduler, ServingLoop
+from recserve.scheduling import Batch, Failed, FeatureParallelConfig, FeatureParallelPolicy, Priority, Scheduler, ServingLoop
 from recserve.scheduling.admission import AdmissionConfig
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import common_pb2
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 log = logging.getLogger(__name__)
+_STANDARD: Priority | str = Priority.STANDARD
 
 
 class LookupClient:
@@ -120,7 +121,7 @@ class LookupClient:
     @classmethod
     def connect(cls, config: LookupClientConfig, plan: ShardingPlan, addresses: Sequence[str], **kwargs: Any) -> "LookupClient":
         """A client over real gRPC channels to ``addresses`` (shard k at ``addresses[k]``)."""
-        return cls(config, plan, GrpcShardTransport(addresses), **kwargs)
+        return cls(config, plan, GrpcShardTransport(addresses, max_frame_bytes=config.lookup.http2_max_frame_bytes), **kwargs)
 
     # ---- lifecycle -----------------------------------------------------------------------
 
@@ -191,7 +192,7 @@ class LookupClient:
             if value is not None and math.isnan(value):
                 # min() would drop a NaN and silently serve without a deadline.
                 raise InvalidArgument(f"lookup {name} = {value!r} is invalid: give seconds as a number (math.inf or None for no deadline)")
-        tenant, priority = "default", "standard"
+        tenant, priority = "default", _STANDARD  # the enum: no parse per caller
         limit = math.inf if deadline is None else deadline
         if timeout_s is not None:
             limit = min(limit, self._clock() + timeout_s)

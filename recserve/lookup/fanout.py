@@ -84,6 +84,7 @@ class WindowRun:
         self.plan = rt.plan
         cfg = rt.config
         self.dims = {t.name: t.dim for t in cfg.tables}
+        self.table_rows = {t.name: t.rows for t in cfg.tables}
         self.pooling = {t.name: t.pooling for t in cfg.tables}
         self.partial = cfg.partial_pooling and all(c.pooled for c in self.callers)
         self.resolved = np.zeros(len(self.handles), dtype=bool)
@@ -107,7 +108,7 @@ class WindowRun:
     def _prepare(self, now: float) -> dict[int, list[FetchUnit]]:
         rt = self.rt
         t0 = time.perf_counter()
-        self.windows = merge_window(self.callers)
+        self.windows = merge_window(self.callers, self.table_rows)
         fetch: dict[str, np.ndarray] = {}
         for table, w in self.windows.items():
             asm = TableAssembly(w, self.dims[table], np.ones(w.unique, np.int16), partial=self.partial)

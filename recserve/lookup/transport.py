@@ -17,6 +17,7 @@ from typing import Protocol
 
 import grpc
 
+from recserve.config.spec import LookupConfig
 from recserve.errors import RecserveError
 from recserve.rpc.status import error_from_code
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
@@ -46,10 +47,11 @@ class ShardTransport(Protocol):
     async def close(self) -> None: ...
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def channel_options(max_message_bytes: int, *, max_frame_bytes: int = 0) -> list[tuple[str, int]]:
     """Client channel options: raised message limits, no transparent retries (the
-    client hedges itself), short reconnect backoff so a restarted shard is back fast."""
-    return [
+    client hedges itself), short reconnect backoff so a restarted shard is back fast;
+    ``max_frame_bytes`` > 0 raises the HTTP/2 frame size (fewer frames per reply)."""
+    options = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.enable_retries", 0),
@@ -57,15 +59,37 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.min_reconnect_backoff_ms", 100),
         ("grpc.max_reconnect_backoff_ms", 1000),
     ]
+    if max_frame_bytes:
+        options.append(("grpc.http2.max_frame_size", max_frame_bytes))
+    return options
+
+
+def transport_env(lookup: LookupConfig) -> dict[str, str]:
+    """Process-start environment of the lookup path's transport settings, for the
+    launcher to pass to each shard (gRPC reads ``GRPC_EXPERIMENTS`` and glibc its
+    ``MALLOC_*`` thresholds only when a process starts). Empty for the defaults.
+
+    Example: ``grpc_experiments="-event_engine_client"`` -> ``{"GRPC_EXPERIMENTS": "-event_engine_client"}``.
+    """
+    env: dict[str, str] = {}
+    if lookup.grpc_experiments:
+        env["GRPC_EXPERIMENTS"] = lookup.grpc_experiments
+    if lookup.shard_malloc_mmap_threshold_bytes:
+        # Replies of 150-250 kB are above glibc's default mmap threshold: each one is
+        # mmapped and page-faulted afresh. A higher threshold keeps them on the heap, and
+        # an equal trim threshold stops the heap from being handed back after each.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(lookup.shard_malloc_mmap_threshold_bytes)
+        env["MALLOC_TRIM_THRESHOLD_"] = str(lookup.shard_malloc_mmap_threshold_bytes)
+    return env
 
 
 class GrpcShardTransport:
     """One grpc.aio channel per shard address. Channels are created on first use, inside
     the running event loop (grpc.aio binds a channel to the loop that made it)."""
 
-    def __init__(self, addresses: Sequence[str], *, max_message_bytes: int = 256 << 20) -> None:
+    def __init__(self, addresses: Sequence[str], *, max_message_bytes: int = 256 << 20, max_frame_bytes: int = 0) -> None:
         self.addresses = list(addresses)
-        self._options = channel_options(max_message_bytes)
+        self._options = channel_options(max_message_bytes, max_frame_bytes=max_frame_bytes)
         self._channels: list[grpc.aio.Channel | None] = [None] * len(self.addresses)
         self._stubs: list[embedding_pb2_grpc.EmbeddingShardStub | None] = [None] * len(self.addresses)
 

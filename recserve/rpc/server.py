@@ -33,13 +33,13 @@ is; plain functions are called inline on the event loop, which is what a
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from recserve.errors import InvalidArgument
@@ -77,25 +77,84 @@ def make_server(
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` whose every method answers malformed request bytes with
     ``INVALID_ARGUMENT`` naming the method (a :class:`CheckedServer`). ``options`` are
-    added after :func:`server_options`."""
+    added after :func:`server_options`; ``interceptors`` go to grpc as they are (they
+    see every RPC; the decode check needs none)."""
     inner = grpc.aio.server(interceptors=list(interceptors), options=[*server_options(max_message_bytes), *options])
     return CheckedServer(inner)
 
 
-async def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> HealthServicer:
-    """Register gRPC health and server reflection on ``server``. Reflection lists
-    ``service_names`` plus health and reflection themselves (so tools and
-    ``tests/grpc_fuzz.py`` find every service); health answers NOT_SERVING for ``""``
-    and each of ``service_names`` until the caller sets SERVING (the servicer's own
-    default for ``""`` is SERVING, which would claim readiness before anything loaded).
-    Returns the health servicer (``await health.set(name, status)``)."""
+async def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> Health:
+    """Register gRPC health (:class:`Health`) and server reflection on ``server``.
+    Reflection lists ``service_names`` plus health and reflection themselves (so tools
+    and ``tests/grpc_fuzz.py`` find every service); health answers NOT_SERVING for
+    ``""`` and each of ``service_names`` until the caller sets SERVING. Returns the
+    health servicer (``await health.set(name, status)``)."""
     names = list(service_names)
-    health = HealthServicer()
+    health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection((*names, HEALTH_SERVICE, REFLECTION_SERVICE), server)
     for name in ("", *names):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return health
+
+
+class Health(health_pb2_grpc.HealthServicer):
+    """gRPC health for an aio server whose ``Watch`` streams end at shutdown.
+
+    Like ``grpc_health``'s async servicer (Check, Watch, ``set``,
+    ``enter_graceful_shutdown``), with one difference that matters for stopping fast:
+    there, a ``Watch`` stream stays open after graceful shutdown began, so
+    ``server.stop(grace)`` waits the whole grace for every watcher (a load balancer, a
+    launcher waiting for SERVING) — measured: 2.07 s to stop an idle shard with one
+    watcher and a 2 s grace. Here a watcher is sent NOT_SERVING and its stream then
+    ends with OK, so the grace only waits for real in-flight RPCs. Statuses start
+    empty (an unknown service: Check NOT_FOUND, Watch SERVICE_UNKNOWN).
+    """
+
+    def __init__(self) -> None:
+        self._status: dict[str, health_pb2.HealthCheckResponse.ServingStatus.ValueType] = {}
+        # Replaced on every change; a watcher waits on the event it saw before reading
+        # the status, so no change is missed (one event loop: no lock needed).
+        self._changed = asyncio.Event()
+        self._shutting_down = False
+
+    async def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        status = self._status.get(request.service)
+        if status is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"health: unknown service {request.service!r}; known: {sorted(self._status)}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
+        last = None
+        while True:
+            changed = self._changed
+            status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            if status != last:
+                await context.write(health_pb2.HealthCheckResponse(status=status))
+                last = status
+            if self._shutting_down:
+                return  # NOT_SERVING (or SERVICE_UNKNOWN) was sent: end the stream
+            await changed.wait()
+
+    async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:
+        """Set ``service``'s status (``""``: the whole server); ignored once shutting down."""
+        if not self._shutting_down:
+            self._update(service, status)
+
+    async def enter_graceful_shutdown(self) -> None:
+        """Every status becomes NOT_SERVING for good; watchers get it and their streams end."""
+        if self._shutting_down:
+            return
+        self._shutting_down = True
+        for service in list(self._status):
+            self._status[service] = health_pb2.HealthCheckResponse.NOT_SERVING
+        self._update(None, None)
+
+    def _update(self, service: str | None, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType | None) -> None:
+        if service is not None and status is not None:
+            self._status[service] = status
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
 
 
 def decode(deserializer: Deserializer, method: str, raw: bytes) -> Any:
@@ -208,11 +267,12 @@ class CheckedServer(grpc.aio.Server):
     """A ``grpc.aio.Server`` that registers every handler through :func:`checked_handler`
     (built by :func:`make_server`; see the module docstring).
 
-    Wrapping at registration, not in a server interceptor, keeps the per-RPC cost at
-    zero for registered methods (what the generated ``add_*Servicer_to_server`` adds):
-    an aio interceptor runs a coroutine chain on every call (measured here: ≈ +14 µs
-    of server CPU on a ≈ 340 µs tiny unary call). It is a real ``grpc.aio.Server``
-    subclass, so helpers that check for an aio server (reflection) treat it as one.
+    Wrapping at registration, not in a server interceptor, adds no per-RPC lookup for
+    registered methods (what the generated ``add_*Servicer_to_server`` adds), where an
+    aio interceptor runs its coroutine chain on every call; what remains per call is the
+    wrapper's own frame, ≈ 0.5 µs here against a ≈ 330 µs server cost of a tiny unary
+    call. It is a real ``grpc.aio.Server`` subclass, so helpers that check for an aio
+    server (reflection picks its async servicer that way) treat it as one.
     """
 
     def __init__(self, inner: grpc.aio.Server) -> None:

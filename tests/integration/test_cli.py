@@ -52,6 +52,9 @@ def test_demo_runs_catalog_and_lookups_end_to_end() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     assert "users       500" in out.stdout
     assert "pooled output equals TorchRec EmbeddingBagCollection: True" in out.stdout
+    assert "DLRM scores on remote embeddings equal in-process DLRM: True" in out.stdout
+    for key in ("dlrm_auc", "l3_auc", "ground_truth_auc", "popularity_auc", "two_tower_recall_at_100", "popularity_recall_at_100"):
+        assert key in out.stdout  # the metrics table of the tiny trained model set
     assert "degraded    0 callers" in out.stdout
     ratio = float(out.stdout.split("dedup ratio ")[1].split()[0])
     assert ratio > 1.0

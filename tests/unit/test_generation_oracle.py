@@ -175,3 +175,17 @@ def test_priority_and_remaining_work_choose_the_victim() -> None:
     first_out = next(i for i, b in enumerate(h.batches) if len(b) < 3)
     assert h.batches[first_out] == ["crit", "std_short"]  # same class: the most remaining work went first
     h.assert_matches_oracle()
+
+
+def test_a_more_urgent_arrival_preempts_a_less_urgent_running_sequence() -> None:
+    h = DecodeHarness(tiny_config(num_blocks=64, max_seqs=2))
+    rng = np.random.default_rng(10)
+    h.add("be_short", GenerationRequest(random_prompt(rng, 5), max_new_tokens=10), priority=Priority.BEST_EFFORT)
+    h.add("be_long", GenerationRequest(random_prompt(rng, 5), max_new_tokens=25), priority=Priority.BEST_EFFORT)
+    h.step()
+    h.step()
+    h.add("crit", GenerationRequest(random_prompt(rng, 5), max_new_tokens=6), priority=Priority.CRITICAL)
+    assert sorted(h.step()) == ["be_short", "crit"]  # its slot came from the most remaining work
+    assert h.handles["be_long"].status is ItemStatus.QUEUED and h.policy.preemptions == 1
+    h.run()
+    h.assert_matches_oracle()  # the victim resumed by recompute, no token twice

@@ -9,11 +9,11 @@ from typing import Iterator
 import numpy as np
 import pytest
 
+from generation.policy import ContinuousBatchPolicy, register
 from generation.static_policy import StaticBatchPolicy
 from generation.types import GenerationRequest
 from recserve.errors import InvalidArgument
-from recserve.scheduling import make_policy, PolicyKind
-from generation.policy import ContinuousBatchPolicy, register
+from recserve.scheduling import PolicyKind, make_policy
 from tests.generation_utils import DecodeHarness, one_torch_thread, random_prompt, tiny_config
 
 

@@ -116,3 +116,21 @@ def test_dlrm_and_l3_batch_on_cuda_matches_cpu() -> None:
         gpu_l = l3.to(cuda)(jagged_tensors(l3_jag, cuda), dense.to(cuda)).cpu()
     torch.testing.assert_close(gpu_d, cpu_d, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gpu_l, cpu_l, rtol=1e-4, atol=1e-4)
+
+
+def test_row_sparse_adam_matches_torch_sparse_adam() -> None:
+    from ranker.optim import RowSparseAdam
+
+    torch.manual_seed(0)
+    init = torch.randn(20, 3)
+    ours, ref = torch.nn.Parameter(init.clone()), torch.nn.Parameter(init.clone())
+    opt_ours, opt_ref = RowSparseAdam([ours], lr=0.1), torch.optim.SparseAdam([ref], lr=0.1)
+    for step in range(4):
+        ids = torch.tensor([1, 5, 5, 7 + step, 19])  # a duplicate id, and rows that come and go
+        offsets = torch.tensor([0, 2])
+        for p, opt in ((ours, opt_ours), (ref, opt_ref)):
+            opt.zero_grad()
+            (torch.nn.functional.embedding_bag(ids, p, offsets, mode="mean", sparse=True) ** 2).sum().backward()
+            opt.step()
+    torch.testing.assert_close(ours, ref)
+    assert torch.equal(ours[0], init[0]) and not torch.equal(ours[5], init[5])  # untouched rows stay, touched rows move

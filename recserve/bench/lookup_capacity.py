@@ -1,0 +1,267 @@
+"""Capacity and equal-memory parts of ``recserve bench lookup`` (issue: lookup path at the
+physical limit).
+
+* **Equal memory.** :func:`equal_memory_plan` caps recserve's DRAM tiers, row cache,
+  block cache and near cache together at Redis's ``used_memory`` after loading the same
+  table, through the memory-budgeted planner (``sharding.placement = "budget"``).
+  :func:`tiered_plan` is the bigger-than-RAM case: DRAM tiers plus row cache at a
+  fraction of the table, the rest in RocksDB read with direct I/O.
+* **Knees.** :func:`probe` runs one open-loop Poisson probe and classifies every offered
+  request for :class:`~recserve.bench.knee.ProbeResult` (shed, failed, late, degraded
+  all count against the knee); :func:`knee_of` bisects with the shared
+  :func:`~recserve.bench.knee.find_knee_async` and keeps each probe's p99 for the plot.
+* **Best-shot Redis.** :func:`redis_threads_closed_loop` (sync clients on threads) beside
+  the asyncio pool of :mod:`recserve.bench.lookup_modes`; :func:`redis_near_window_handler`
+  runs MGET on the client's own deduplicated windows with the same near cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+
+from recserve.bench.arrivals import poisson_arrivals
+from recserve.bench.knee import ProbeResult, find_knee_async
+
+#: ``handle(i, deadline)`` serves request i by ``deadline`` (monotonic s); returns False
+#: for a degraded answer; raises for none.
+Handler = Callable[[int, float], Awaitable["bool | None"]]
+
+NEAR_CACHE_ROW_OVERHEAD_BYTES = 24  # per cached row: its id, fetch time and version (8 B each)
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+
+def redis_memory(port: int) -> dict[str, int]:
+    """``used_memory`` and ``used_memory_rss`` (bytes) of the Redis on ``port``."""
+    import redis
+
+    r = redis.Redis(host="127.0.0.1", port=port)
+    try:
+        info = r.info("memory")
+    finally:
+        r.close()
+    return {"used_memory": int(info["used_memory"]), "used_memory_rss": int(info["used_memory_rss"])}
+
+
+def rss_bytes(pid: int) -> int | None:
+    """Resident set size of process ``pid`` (``VmRSS``), None if it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryBudget:
+    """How a total byte budget is split: per shard ``shard_memory_bytes`` for the planner
+    (DRAM tiers, then row cache) and ``block_cache_bytes``; once, the client's near cache."""
+
+    total_bytes: int
+    near_cache_bytes: int
+    block_cache_bytes: int
+    shard_memory_bytes: int
+
+    def to_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def split_budget(total_bytes: int, num_shards: int, *, near_cache_rows: int, dim: int, block_cache_bytes: int) -> MemoryBudget:
+    """Take the near cache (fp32 rows + bookkeeping) off the top, then one block cache per
+    shard; what is left, split evenly, is each shard's planner budget."""
+    near = near_cache_rows * (dim * 4 + NEAR_CACHE_ROW_OVERHEAD_BYTES)
+    per_shard = (total_bytes - near) // num_shards - block_cache_bytes
+    return MemoryBudget(total_bytes, near, block_cache_bytes, max(int(per_shard), 1))
+
+
+def plan_for_budget(table: Any, popularity: np.ndarray, num_shards: int, shard_memory_bytes: int, *, warm_fraction: float, seed: int) -> Any:
+    """The budget planner's result for one table (hot 1% on 2 replicas, warm up to
+    ``warm_fraction``, the rest of each shard's budget its row cache)."""
+    from recserve.config.spec import ShardingConfig
+    from recserve.sharding.planner import plan_tables
+
+    sharding = ShardingConfig(
+        num_shards=num_shards, hot_replicas=min(2, num_shards), hot_fraction=0.01, warm_fraction=warm_fraction,
+        placement="budget", shard_memory_bytes=shard_memory_bytes,
+    )  # fmt: skip
+    return plan_tables([table], {table.name: popularity}, sharding, seed=seed)
+
+
+def data_bytes(result: Any, budget: MemoryBudget, row_cache_bytes: int) -> int:
+    """recserve's cache and tier bytes under the cap: DRAM tiers of every shard, their
+    row and block caches, the near cache."""
+    s = result.plan.num_shards
+    return int(result.bytes_per_shard["dram"].sum()) + s * (row_cache_bytes + budget.block_cache_bytes) + budget.near_cache_bytes
+
+
+# ---- open-loop probes and knees ---------------------------------------------------------
+
+
+async def probe(rate_per_s: float, seconds: float, total: int, handle: Handler, *, slo_s: float, seed: int) -> tuple[ProbeResult, float | None]:
+    """One Poisson probe at ``rate_per_s`` for ``seconds``: every request gets the
+    deadline arrival + ``slo_s`` (a later answer is late, none is failed; an arrival the
+    generator reaches after its deadline is shed). Returns the classified result and the
+    p99 latency (ms) of answered requests."""
+    arrivals = poisson_arrivals(rate_per_s, duration_s=seconds, count=total, rng=np.random.default_rng(seed))
+    n = int(arrivals.size)
+    latency = np.full(n, np.nan)
+    degraded = np.zeros(n, dtype=bool)
+    shed = np.zeros(n, dtype=bool)
+    sent_at = np.zeros(n)
+    t0 = time.monotonic()
+
+    async def one(i: int, deadline: float) -> None:
+        try:
+            full = await handle(i, deadline)
+        except Exception:
+            return  # no answer: failed
+        latency[i] = time.monotonic() - (t0 + arrivals[i])
+        degraded[i] = full is False
+
+    tasks = []
+    for i, at in enumerate(arrivals.tolist()):
+        delay = t0 + at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the arrival schedule itself, not synchronisation
+        now = time.monotonic()
+        sent_at[i] = now - t0
+        deadline = t0 + at + slo_s
+        if now >= deadline:
+            shed[i] = True
+            continue
+        tasks.append(asyncio.ensure_future(one(i, deadline)))
+    if tasks:
+        await asyncio.gather(*tasks)
+    offered = n / float(arrivals[-1]) if n and arrivals[-1] > 0 else rate_per_s
+    achieved = n / float(sent_at[-1]) if n and sent_at[-1] > 0 else 0.0
+    answered = latency[~np.isnan(latency)]
+    p99 = float(np.percentile(answered, 99) * 1e3) if answered.size else None
+    result = ProbeResult.from_requests(offered, achieved_per_s=achieved, latency_s=latency, slo_s=slo_s, degraded=degraded, shed=shed)
+    return result, p99
+
+
+async def knee_of(handle: Handler, *, lo_rps: float, hi_rps: float, seconds: float, total: int, slo_s: float, seed: int) -> dict[str, Any]:
+    """The knee of one contender (:func:`~recserve.bench.knee.find_knee_async`), with
+    every probe's p99 (``curve``: [(rate, p99_ms)] in probe order)."""
+    curve: list[tuple[float, float | None]] = []
+    count = 0
+
+    async def run(rate: float) -> ProbeResult:
+        nonlocal count
+        count += 1
+        result, p99 = await probe(rate, seconds, total, handle, slo_s=slo_s, seed=seed + count)
+        curve.append((rate, p99))
+        return result
+
+    found = await find_knee_async(run, lo_rps=lo_rps, hi_rps=hi_rps)
+    out = found.to_dict()
+    out["curve"] = curve
+    return out
+
+
+def plot_capacity(path: str | Path, curves: dict[str, Sequence[tuple[float, float | None]]], *, slo_ms: float, title: str) -> None:
+    """PNG of p99 against offered rate for every contender (each knee probe one point)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), constrained_layout=True)
+    for name, curve in curves.items():
+        pts = sorted((r, p) for r, p in curve if p is not None)
+        if pts:
+            ax.plot([r for r, _ in pts], [p for _, p in pts], marker="o", label=name)
+    ax.axhline(slo_ms, color="grey", linestyle="--", linewidth=1, label=f"SLO {slo_ms:g} ms")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("offered load (requests/s, Poisson)")
+    ax.set_ylabel("p99 latency (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize="small")
+    ax.set_title(title, fontsize="medium")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- Redis, best shot --------------------------------------------------------------------
+
+
+def redis_threads_closed_loop(port: int, ids: np.ndarray, lengths: np.ndarray, dim: int, concurrency: int, seconds: float) -> float:
+    """Rows/s of MGET per request from ``concurrency`` threads, each with its own sync
+    client (hiredis parses; the GIL is released while a thread waits on its socket)."""
+    import redis
+
+    from recserve.bench.lookup_modes import Stream, _decode, pool_rows, redis_keys
+
+    stream = Stream(ids=ids, lengths=lengths)
+    counter = iter(range(ids.shape[0]))
+    lock = threading.Lock()
+    done = [0] * concurrency
+    stop = time.monotonic() + seconds
+
+    def worker(w: int) -> None:
+        r = redis.Redis(host="127.0.0.1", port=port)
+        try:
+            while time.monotonic() < stop:
+                with lock:
+                    i = next(counter, None)
+                if i is None:
+                    return
+                values = cast("list[bytes | None]", r.mget(redis_keys(ids[i])))
+                pool_rows(_decode(values, dim), stream)
+                done[w] += 1
+        finally:
+            r.close()
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(concurrency)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) * ids.shape[1] / (time.perf_counter() - t0)
+
+
+def redis_near_window_handler(client: Any, ids: np.ndarray, lengths: np.ndarray, weights: np.ndarray, window: int, near_ids: np.ndarray) -> Callable[[int], Awaitable[None]]:
+    """Handler of window index w: requests ``[w * window, (w + 1) * window)``, deduplicated,
+    the near cache's ids (``near_ids``, sorted; rows held locally, as the client's near
+    cache holds them) served locally and one MGET of the rest; then every request pooled."""
+    from recserve.bench.lookup_modes import Stream, _decode, pool_rows, redis_keys
+
+    stream = Stream(ids=ids, lengths=lengths)
+    near_rows = np.take(weights, near_ids, axis=0)
+    dim = weights.shape[1]
+
+    async def handle(w: int) -> None:
+        block = ids[w * window : (w + 1) * window]
+        uids, inverse = np.unique(block, return_inverse=True)
+        slot = np.minimum(np.searchsorted(near_ids, uids), max(near_ids.size - 1, 0))
+        hit = (np.take(near_ids, slot) == uids) if near_ids.size else np.zeros(uids.size, bool)
+        rows = np.empty((uids.size, dim), dtype=np.float32)
+        rows[hit] = np.take(near_rows, slot[hit], axis=0)
+        miss = np.flatnonzero(~hit)
+        if miss.size:
+            rows[miss] = _decode(await client.mget(redis_keys(uids[miss])), dim)
+        inv = inverse.reshape(block.shape)
+        for r in range(block.shape[0]):
+            pool_rows(np.take(rows, inv[r], axis=0), stream)
+
+    return handle
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0 or (isinstance(b, float) and math.isnan(b)):
+        return None
+    return a / b

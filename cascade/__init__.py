@@ -1,1 +1,1 @@
-"""cascade layer (see DESIGN.md §2)."""
+"""cascade layer (see docs/architecture.md §2)."""

@@ -1,4 +1,4 @@
-"""The embedding shard server (DESIGN.md §4): one gRPC process per shard.
+"""The embedding shard server (docs/architecture.md §4): one gRPC process per shard.
 
 Modules, by concept: ``config`` (the process config), ``layout`` (what this shard holds,
 from the plan), ``codec`` / ``store`` (RocksDB keys, values, column families),

@@ -1,4 +1,4 @@
-"""Bounded LRU row cache in front of RocksDB for cold rows (DESIGN.md §4).
+"""Bounded LRU row cache in front of RocksDB for cold rows (docs/architecture.md §4).
 
 A slot array, not a dict: rows live in one fp32 matrix ``[capacity, W]``, a dense
 ``id -> slot`` map (int32 over the table's id space) finds them, and a last-use tick per

@@ -1,4 +1,4 @@
-"""RocksDB key and value encoding of embedding rows (DESIGN.md §4).
+"""RocksDB key and value encoding of embedding rows (docs/architecture.md §4).
 
 Key: the 8-byte big-endian row id, so RocksDB's bytewise order is numeric order (ids are
 non-negative) and SST files can be written in key order straight from a sorted id array.

@@ -1,5 +1,5 @@
 """The load manifest: what bulk loads and migrations wrote into a shard's RocksDB, and
-whether acknowledged upserts have landed since (DESIGN.md §4).
+whether acknowledged upserts have landed since (docs/architecture.md §4).
 
 The manifest is one JSON object in the store's metadata: manifest key -> record. A record
 (``LoadRecord``) says what was written (rows per table, method) and, crucially, the

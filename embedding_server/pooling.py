@@ -1,4 +1,4 @@
-"""Shard-side partial pooling (the optional pooled Lookup mode, DESIGN.md §5).
+"""Shard-side partial pooling (the optional pooled Lookup mode, docs/architecture.md §5).
 
 After cross-request dedup a bag is not a contiguous run of the ids a shard receives, so
 the client sends ``bag_indices`` (positions into the request's ids) and ``bag_offsets``

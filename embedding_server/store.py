@@ -1,4 +1,4 @@
-"""RocksDB row store: the source of truth of a shard (DESIGN.md §4).
+"""RocksDB row store: the source of truth of a shard (docs/architecture.md §4).
 
 One column family per table, named after the table (so reordering the config remaps
 nothing); keys and values as in :mod:`embedding_server.codec`. Every column family uses

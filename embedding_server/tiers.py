@@ -1,4 +1,4 @@
-"""Storage tiers of one table inside a shard (DESIGN.md §4).
+"""Storage tiers of one table inside a shard (docs/architecture.md §4).
 
 - ``HOT`` / ``WARM``: :class:`DramTier`, rows (hot: full rows; warm: one column slice)
   in one contiguous matrix of the configured dtype (float32, float16 or fbgemm int8

@@ -1,4 +1,4 @@
-"""generation: the LLM decode engine on the shared scheduler core (DESIGN.md §6).
+"""generation: the LLM decode engine on the shared scheduler core (docs/architecture.md §6).
 
 - :mod:`generation.config` — ModelConfig, KvCacheConfig, ContinuousBatchConfig, GenerationConfig;
 - :mod:`generation.tokenizer` — the byte-level tokenizer;

@@ -1,4 +1,4 @@
-"""ranker layer (DESIGN.md §2, §7): the three models, trained without the ground truth.
+"""ranker layer (docs/architecture.md §2, §7): the three models, trained without the ground truth.
 
 Modules: ``scrubbed`` (the only catalog view training gets: no latent vectors, no
 click-model popularity, no seeds), ``features`` (log counts, dense rows, jagged sparse

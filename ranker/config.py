@@ -101,16 +101,17 @@ class TrainConfig:
     batch_size: int = 256
     tt_batch_size: int = 1024
     epochs: int = 1
-    tt_epochs: int = 2
+    tt_epochs: int = 1
     lr: float = 1e-2
     tt_lr: float = 3e-3
     max_rows: int = 0
     eval_users: int = 1000
     recall_k: int = 100
     progress: bool = True
-    # Start DLRM's and L3's item / category tables from the trained two-tower's (same
-    # widths only; see ranker.train.warm_start).
-    warm_start: bool = True
+    # torch intra-op threads (0 = torch's default). On a shared 2-core box 1 is faster:
+    # two OpenMP threads spin against other processes (a DLRM step measured 4 ms with one
+    # thread, 130+ ms with two under load).
+    threads: int = 0
 
     def __post_init__(self) -> None:
         require(self.device in ("auto", "cpu", "cuda"), "train.device", self.device, "use 'auto', 'cpu' or 'cuda'")
@@ -118,4 +119,5 @@ class TrainConfig:
         require(self.epochs >= 0 and self.tt_epochs >= 0, "train.epochs", (self.epochs, self.tt_epochs), "use >= 0 epochs")
         require(self.lr > 0 and self.tt_lr > 0, "train.lr", (self.lr, self.tt_lr), "use positive learning rates")
         require(self.max_rows >= 0, "train.max_rows", self.max_rows, "use >= 0 (0 = every row)")
+        require(self.threads >= 0, "train.threads", self.threads, "use >= 0 threads (0 = torch's default)")
         require(self.eval_users > 0 and self.recall_k > 0, "train.eval_users", (self.eval_users, self.recall_k), "use positive counts")

@@ -44,6 +44,8 @@ def train_and_export(catalog_dir: Path | str, out: Path | str, config: TrainConf
     out = Path(out)
     view = open_scrubbed(catalog_dir)  # the only thing training gets
     torch.manual_seed(config.seed)
+    if config.threads:
+        torch.set_num_threads(config.threads)
     started = time.perf_counter()
     models = train_all(view, config)
     seconds = {**models.seconds, "train_total": time.perf_counter() - started}

@@ -103,8 +103,12 @@ def load_model(export: Export, name: str, *, device: str = "auto", with_tables: 
     state = torch.load(export.path / "dense" / f"{name}.pt", map_location="cpu", weights_only=True)
     missing, unexpected = model.load_state_dict(state, strict=False)
     shard = {t for t in tables_of(model) if t in export.manifest["tables"]}
-    if unexpected:
-        raise FailedPrecondition(f"dense checkpoint of {name} has unexpected keys {sorted(unexpected)}; re-export the models")
+    # The checkpoint holds everything but the shard tables: anything else missing is a
+    # truncated or foreign checkpoint.
+    shard_ids = {id(w) for t, w in tables_of(model).items() if t in shard}
+    not_tables = sorted(k for k, p in model.named_parameters() if k in missing and id(p) not in shard_ids)
+    if unexpected or not_tables:
+        raise FailedPrecondition(f"dense checkpoint of {name} has unexpected keys {sorted(unexpected)} and lacks {not_tables}; re-export the models")
     with torch.no_grad():
         for table, weight in tables_of(model).items():
             if table in shard:

@@ -128,31 +128,9 @@ def _fit(
     return mean
 
 
-def warm_start(model: DlrmRanker | L3Reranker, two_tower: TwoTower | None) -> list[str]:
-    """Copy the trained two-tower ``tt_item`` / ``tt_category`` rows into ``model``'s item
-    and category tables where the widths match; returns the tables copied.
-
-    The two-tower learns its item rows from every history entry (≈20× the clicks the
-    rankers' BCE sees), so they start the rankers from item similarity instead of noise.
-    """
-    if two_tower is None:
-        return []
-    prefix = "dlrm" if isinstance(model, DlrmRanker) else "l3"
-    copied = []
-    with torch.no_grad():
-        mine = tables_of(model)
-        for kind in ("item", "category"):
-            src, dst = two_tower.tables[f"tt_{kind}"], mine[f"{prefix}_{kind}"]
-            if src.shape == dst.shape:
-                dst.copy_(src)
-                copied.append(f"{prefix}_{kind}")
-    return copied
-
-
-def train_dlrm(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainConfig, device: torch.device, two_tower: TwoTower | None = None) -> tuple[DlrmRanker, float]:
+def train_dlrm(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainConfig, device: torch.device) -> tuple[DlrmRanker, float]:
     with _seeded(config.seed):
         model = DlrmRanker(config.dlrm, table_rows(catalog), generator=torch.Generator().manual_seed(config.seed)).to(device)
-    log.info("dlrm warm-started from the two-tower: %s", warm_start(model, two_tower))
     users, items, labels = (np.asarray(a) for a in (catalog.train.user, catalog.train.item, catalog.train.label))
 
     def step(rows: np.ndarray) -> torch.Tensor:
@@ -163,10 +141,9 @@ def train_dlrm(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainCon
     return model, _fit("dlrm", model, len(labels), config.batch_size, config.epochs, config, step)
 
 
-def train_l3(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainConfig, device: torch.device, two_tower: TwoTower | None = None) -> tuple[L3Reranker, float]:
+def train_l3(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainConfig, device: torch.device) -> tuple[L3Reranker, float]:
     with _seeded(config.seed + 2):
         model = L3Reranker(config.l3, table_rows(catalog), generator=torch.Generator().manual_seed(config.seed + 2)).to(device)
-    log.info("l3 warm-started from the two-tower: %s", warm_start(model, two_tower))
     users, items, labels = (np.asarray(a) for a in (catalog.train.user, catalog.train.item, catalog.train.label))
 
     def step(rows: np.ndarray) -> torch.Tensor:
@@ -216,8 +193,7 @@ def train_two_tower(catalog: ScrubbedCatalog, arrays: ServingArrays, config: Tra
 
 
 def train_all(catalog: ScrubbedCatalog, config: TrainConfig = TrainConfig()) -> TrainedModels:
-    """Train the two-tower, then DLRM and L3 (warm-started from its item and category
-    rows when ``config.warm_start``) on ``catalog``."""
+    """Train the two-tower, DLRM and L3 (in that order) on ``catalog``."""
     device = resolve_device(config.device)
     arrays = serving_arrays(catalog)
     seconds: dict[str, float] = {}
@@ -225,11 +201,10 @@ def train_all(catalog: ScrubbedCatalog, config: TrainConfig = TrainConfig()) -> 
     t0 = time.perf_counter()
     tt, losses["two_tower"] = train_two_tower(catalog, arrays, config, device)
     seconds["two_tower"] = time.perf_counter() - t0
-    source = tt if config.warm_start else None
     t0 = time.perf_counter()
-    dlrm, losses["dlrm"] = train_dlrm(catalog, arrays, config, device, source)
+    dlrm, losses["dlrm"] = train_dlrm(catalog, arrays, config, device)
     seconds["dlrm"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    l3, losses["l3"] = train_l3(catalog, arrays, config, device, source)
+    l3, losses["l3"] = train_l3(catalog, arrays, config, device)
     seconds["l3"] = time.perf_counter() - t0
     return TrainedModels(dlrm=dlrm, two_tower=tt, l3=l3, arrays=arrays, device=device, seconds=seconds, losses=losses)

@@ -1,3 +1,3 @@
-"""recserve: recommendation serving (see ../shared/DESIGN.md)."""
+"""recserve: recommendation serving (see docs/architecture.md)."""
 
 __version__ = "0.1.0"

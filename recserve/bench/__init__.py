@@ -1,1 +1,1 @@
-"""bench layer (see DESIGN.md §2)."""
+"""bench layer (see docs/architecture.md §2)."""

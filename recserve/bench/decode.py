@@ -195,7 +195,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 def tune_malloc(mmap_threshold: int = 256 << 20) -> bool:
     """Keep glibc from mmap-ing (and page-faulting afresh) every large temporary: a decode
     step allocates a few MB of attention temporaries, and above the default threshold each
-    one is a fresh mapping (DESIGN.md §12; measured here: a 32-sequence step 10.8 -> 5.9 ms).
+    one is a fresh mapping (docs/architecture.md §12; measured here: a 32-sequence step 10.8 -> 5.9 ms).
     Process-wide, so it is done by the composition root (this bench), not by the engine.
     Returns False where there is no glibc."""
     import ctypes

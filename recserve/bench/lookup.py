@@ -66,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate", type=float, default=None, help="open-loop arrivals per second (default: half the client's closed-loop throughput)")
     p.add_argument("--concurrency-high", type=int, default=256, help="the second closed-loop concurrency (default 256; 0 = skip)")
     p.add_argument("--memory-bytes", type=int, default=None, help="total cache/tier budget (default: Redis's used_memory after loading; without Redis 1.35x the raw rows)")
-    p.add_argument("--block-cache-bytes", type=int, default=4 << 20, help="RocksDB block cache per shard, inside the budget (default 4 MiB)")
+    p.add_argument("--block-cache-bytes", type=int, default=None, help="RocksDB block cache per shard, inside the budget (default: 4 MiB, at most 2%% of a shard's share)")
     p.add_argument("--tiered-fraction", type=float, default=0.10, help="tiered run: DRAM tiers + row cache as a fraction of the table (default 0.10)")
     p.add_argument("--no-tiered", action="store_true", help="skip the tiered (RocksDB, direct reads) run")
     p.add_argument("--no-knees", action="store_true", help="skip the knee searches (knee fields null)")
@@ -173,7 +173,8 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         total = args.memory_bytes or report["redis_used_memory"] or int(1.35 * raw_bytes)
         report["memory_budget_source"] = "--memory-bytes" if args.memory_bytes else ("redis used_memory" if report["redis_used_memory"] else "1.35x raw rows (no Redis)")
         near_rows = max(1, int(round(0.01 * args.items))) if args.near_cache_rows is None else args.near_cache_rows
-        budget = cap.split_budget(total, args.shards, near_cache_rows=near_rows, dim=args.dim, block_cache_bytes=args.block_cache_bytes)
+        block_cache = args.block_cache_bytes or max(64 << 10, min(4 << 20, total // (50 * args.shards)))
+        budget = cap.split_budget(total, args.shards, near_cache_rows=near_rows, dim=args.dim, block_cache_bytes=block_cache)
         result = cap.plan_for_budget(table, popularity, args.shards, budget.shard_memory_bytes, warm_fraction=0.99, seed=args.seed)
         plan = result.plan
         plan.save(workdir / "plan.json")
@@ -185,7 +186,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
              f"({report['memory_budget_source']}): {report['tiers'][0]['hot_ids']:,} hot, {report['tiers'][0]['warm_ids']:,} warm, "
              f"{report['tiers'][0]['cold_ids']:,} cold ids; row cache {row_cache_bytes:,} B/shard")  # fmt: skip
 
-        server = ShardServerConfig(threads=1, row_cache_bytes=row_cache_bytes, block_cache_bytes=args.block_cache_bytes)
+        server = ShardServerConfig(threads=1, row_cache_bytes=row_cache_bytes, block_cache_bytes=block_cache)
         t0 = time.perf_counter()
         with ShardCluster(workdir / "plan.json", workdir / "data", load_from=workdir, server=server, env=env) as cluster:
             _log(f"shards SERVING after {time.perf_counter() - t0:.1f} s")
@@ -193,7 +194,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             rss = [cap.rss_bytes(cluster.pid(s)) for s in range(args.shards)]
             report["shard_rss_bytes"] = None if None in rss else int(sum(r for r in rss if r is not None))
         if not args.no_tiered:
-            report.update(_tiered(args, table, feature, popularity, stream, workdir, lookup_cfg, env))
+            report.update(_tiered(args, table, feature, popularity, stream, workdir, lookup_cfg, env, block_cache))
     finally:
         if redis_proc is not None:
             redis_proc.stop()
@@ -229,7 +230,10 @@ async def _load_redis(port: int, weights: np.ndarray, load: Any) -> None:
         await r.aclose()
 
 
-def _tiered(args: argparse.Namespace, table: Any, feature: Any, popularity: np.ndarray, stream: Any, workdir: Path, lookup_cfg: Any, env: dict[str, str]) -> dict[str, Any]:
+def _tiered(
+    args: argparse.Namespace, table: Any, feature: Any, popularity: np.ndarray, stream: Any, workdir: Path, lookup_cfg: Any,
+    env: dict[str, str], block_cache: int,
+) -> dict[str, Any]:
     """The bigger-than-RAM case: DRAM tiers (hot, then warm up to half of it) plus row
     cache at ``--tiered-fraction`` of the table, the rest in RocksDB with direct reads."""
     from embedding_server.store import DIRECT_READS_ENV
@@ -243,7 +247,7 @@ def _tiered(args: argparse.Namespace, table: Any, feature: Any, popularity: np.n
     tdir.mkdir(exist_ok=True)
     result.plan.save(tdir / "plan.json")
     row_cache = int(result.row_cache_bytes.min())
-    server = ShardServerConfig(threads=1, row_cache_bytes=row_cache, block_cache_bytes=args.block_cache_bytes)
+    server = ShardServerConfig(threads=1, row_cache_bytes=row_cache, block_cache_bytes=block_cache)
     _log(f"tiered run: {result.tier_rows()[0]['cold_ids']:,} of {args.items:,} ids in RocksDB (direct reads), row cache {row_cache:,} B/shard")
     with ShardCluster(tdir / "plan.json", tdir / "data", load_from=workdir, server=server, env={**env, DIRECT_READS_ENV: "1"}) as cluster:
         rows = asyncio.run(_tiered_client(args, result.plan, table, feature, stream, cluster, lookup_cfg))
@@ -376,7 +380,8 @@ async def _network_modes(
 
             report["knees"] = None
             if not args.no_knees:
-                report["knees"] = await _knees(args, client, kjt_of, naive, redis.get("per_request_handler"), fp_req_per_s, total)
+                closed = {name: (v or 0.0) / k for name, v in report["rows_per_s"].items()}  # requests/s closed loop
+                report["knees"] = await _knees(args, client, kjt_of, naive, redis.get("per_request_handler"), closed, total)
         finally:
             if redis.get("close") is not None:
                 await redis["close"]()
@@ -396,7 +401,7 @@ async def _network_modes(
     return report
 
 
-async def _knees(args: argparse.Namespace, client: Any, kjt_of: Any, naive: Any, redis_handle: Any, fp_req_per_s: float, total: int) -> dict[str, Any]:
+async def _knees(args: argparse.Namespace, client: Any, kjt_of: Any, naive: Any, redis_handle: Any, closed_req_per_s: dict[str, float], total: int) -> dict[str, Any]:
     """Each contender's knee (same arrivals per probe rate, deadline = arrival + SLO): the
     client answers degraded at its deadline, naive and Redis are cancelled and fail."""
     from recserve.bench import lookup_capacity as cap
@@ -415,11 +420,11 @@ async def _knees(args: argparse.Namespace, client: Any, kjt_of: Any, naive: Any,
     contenders: dict[str, Any] = {"feature_parallel": fp, "naive": timed(naive)}
     if redis_handle is not None:
         contenders["redis_mget"] = timed(redis_handle)
-    # The bracket: from well below any contender's knee up to about 2x what the client
-    # did closed loop (an open-loop knee above that would be a measurement error).
-    hi = max(4.0 * 25.0, 2.0 * fp_req_per_s)
     out: dict[str, Any] = {}
     for j, (name, handle) in enumerate(contenders.items()):
+        # The bracket: from far below any knee to 1.5x the contender's own closed-loop
+        # rate (an open-loop knee above its closed-loop capacity would be noise).
+        hi = max(4.0 * 25.0, 1.5 * closed_req_per_s.get(name, 0.0))
         _log(f"knee of {name} (bisection in [{25:g}, {hi:,.0f}] req/s, {args.knee_seconds:g} s probes)")
         gc.collect()
         out[name] = await cap.knee_of(handle, lo_rps=25.0, hi_rps=hi, seconds=args.knee_seconds, total=total, slo_s=slo_s, seed=args.seed + 100 * (j + 1))
@@ -486,7 +491,7 @@ async def _redis_modes(args: argparse.Namespace, weights: np.ndarray, stream: An
 
 
 async def _reference(client: Any, weights: np.ndarray) -> dict[str, float]:
-    """Figures from DESIGN.md §10 measured in this run: loopback unary RTT and a local
+    """Figures from docs/architecture.md §10 measured in this run: loopback unary RTT and a local
     np.take gather rate."""
     t0 = time.perf_counter()
     n = 200

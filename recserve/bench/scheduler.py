@@ -359,8 +359,8 @@ def _print_table(r: dict[str, Any]) -> None:
     print(f"  core_us_per_item (dynamic + SLO control)      {r['core_us_per_item_dynamic_slo']:8.2f} us")
     print(f"  reject_us_per_item (queue full, at add)       {r['reject_us_per_item']:8.2f} us")
     print(f"  loop_us_per_item (ServingLoop, no-op runner)  {r['loop_us_per_item']:8.2f} us")
-    print(f"  gRPC loopback round trip (per-batch cost)     {r['grpc_loopback_rtt_ms']:8.3f} ms   (DESIGN §10: 0.6-0.7 ms)")
-    print(f"  np.take gather, {r['dim']}-wide fp32 rows          {r['gather_rows_per_s'] / 1e6:8.2f} M rows/s (DESIGN §10: 6-9 M)")
+    print(f"  gRPC loopback round trip (per-batch cost)     {r['grpc_loopback_rtt_ms']:8.3f} ms   (docs/architecture.md §10: 0.3-0.45 ms back to back)")
+    print(f"  np.take gather, {r['dim']}-wide fp32 rows          {r['gather_rows_per_s'] / 1e6:8.2f} M rows/s (docs/architecture.md §10: 6-9 M)")
     print(f"\n  open-loop Poisson {r['arrival_rate_per_s']:,.0f} items/s for {r['duration_s']:g} s, deadline {r['deadline_ms']:g} ms, "
           f"{r['rows_per_item']} rows/item, max_inflight {r['max_inflight']}")
     print(f"  {'contender':<22}{'items/s':>9}{'in SLO/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'per batch':>11}"

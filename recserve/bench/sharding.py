@@ -2,7 +2,7 @@
 
 One Zipf lookup stream (ids drawn i.i.d. from a Zipf(A) popularity scattered over the
 id space) is cut into windows of ``--window-lookups`` draws, each deduplicated as the
-lookup client does (DESIGN.md §5), and replayed open-loop (Poisson window arrivals at
+lookup client does (docs/architecture.md §5), and replayed open-loop (Poisson window arrivals at
 ``--rate`` per second) through ``--shards`` real shard processes, once per plan:
 
 - ``row_only``: every id cold, row-sharded on the ring;

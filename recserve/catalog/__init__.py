@@ -1,4 +1,4 @@
-"""Synthetic catalogs: items, users, popularity, ground truth, click log (DESIGN.md §2).
+"""Synthetic catalogs: items, users, popularity, ground truth, click log (docs/architecture.md §2).
 
 Entry points: :func:`generate_catalog` (from a validated :class:`CatalogConfig`),
 :func:`load_catalog` (memory-mapped), the popularity helpers :func:`zipf_weights`,

@@ -2,7 +2,7 @@
 
 Defaults describe the catalog every benchmark and the demo assume: 1M items × 64 dims,
 Zipf(1.05) popularity (the top 1% of items then carries ≈3/4 of lookups, the skew the
-hot/warm/cold sharding plan of DESIGN.md §4 is built around), 100k users with up to 50
+hot/warm/cold sharding plan of docs/architecture.md §4 is built around), 100k users with up to 50
 history items, and a 2M-row impression log of which 10% is held out.
 """
 

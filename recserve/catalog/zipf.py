@@ -111,7 +111,7 @@ def popularity_shares(popularity: np.ndarray, head_fraction: float = 0.01, tail_
 
     The head is the ``ceil(head_fraction · items)`` most popular items, the tail the
     ``floor(tail_fraction · items)`` least popular. For Zipf(1.05) over 1M items the head
-    share is ≈0.75 (DESIGN.md §5's near-cache figure).
+    share is ≈0.75 (docs/architecture.md §5's near-cache figure).
     """
     if not 0.0 < head_fraction <= 1.0 or not 0.0 <= tail_fraction <= 1.0:
         raise InvalidArgument(f"head_fraction = {head_fraction!r}, tail_fraction = {tail_fraction!r}; use fractions in (0, 1] and [0, 1]")

@@ -1,1 +1,1 @@
-"""cli layer (see DESIGN.md §2)."""
+"""cli layer (see docs/architecture.md §2)."""

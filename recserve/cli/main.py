@@ -2,7 +2,7 @@
 
 Subcommand modules are light (argparse only); each imports heavy libraries (torch,
 torchrec, grpc servers) inside its ``run`` so ``recserve --help`` stays fast
-(DESIGN.md §12: torch costs ≈2.8 s to import here, torchrec ≈6.2 s).
+(docs/architecture.md §12: torch costs ≈2.8 s to import here, torchrec ≈6.2 s).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""cluster layer (see DESIGN.md §2): launchers of server processes on loopback."""
+"""cluster layer (see docs/architecture.md §2): launchers of server processes on loopback."""
 
 from recserve.cluster.shards import ShardCluster
 

@@ -62,13 +62,13 @@ pooling = "mean"
 [[tables]]
 name = "tt_item"
 rows = 100000
-dim = 32
+dim = 16
 pooling = "mean"
 
 [[tables]]
 name = "tt_category"
 rows = 128
-dim = 32
+dim = 16
 pooling = "mean"
 
 [[tables]]

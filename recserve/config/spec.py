@@ -83,7 +83,7 @@ class FeatureConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ShardingConfig:
-    """Hot/warm/cold placement knobs (DESIGN.md §4). ``column_splits`` 0 = pick from width.
+    """Hot/warm/cold placement knobs (docs/architecture.md §4). ``column_splits`` 0 = pick from width.
 
     ``placement`` says what ``shard_memory_bytes`` means to the planner:
 
@@ -151,7 +151,7 @@ class ShardServerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LookupConfig:
-    """Feature-parallel lookup client knobs (DESIGN.md §5).
+    """Feature-parallel lookup client knobs (docs/architecture.md §5).
 
     ``close_at_dispatch`` (default on): while the client is busy (a window in flight)
     the next window closes as soon as no earlier window is still preparing its RPCs —
@@ -216,7 +216,7 @@ class RankerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CascadeConfig:
-    """Stage output sizes and budget shares of the L0-L3 cascade (DESIGN.md §3, §8)."""
+    """Stage output sizes and budget shares of the L0-L3 cascade (docs/architecture.md §3, §8)."""
 
     l0_out: int = 10_000
     l1_out: int = 1_000

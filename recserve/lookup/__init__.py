@@ -1,4 +1,4 @@
-"""The feature-parallel lookup client (DESIGN.md §5; reference §10.6.6).
+"""The feature-parallel lookup client (docs/architecture.md §5; reference §10.6.6).
 
 Public API (imported lazily, so ``import recserve.lookup.config`` stays light; the
 client itself needs torch)::

@@ -1,4 +1,4 @@
-"""The feature-parallel lookup client (DESIGN.md §5; reference §10.6.6).
+"""The feature-parallel lookup client (docs/architecture.md §5; reference §10.6.6).
 
 Callers ``await client.lookup(kjt, pooled=...)``; the client validates each caller on
 its own, then queues it on a :class:`~recserve.scheduling.ServingLoop` driven by a

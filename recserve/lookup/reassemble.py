@@ -86,7 +86,10 @@ class TableAssembly:
         return int(pos.size)
 
     def put_cached(self, positions: np.ndarray, rows: np.ndarray) -> None:
-        """Rows [n, D] served from the near cache."""
+        """Rows [n, D] served from the near cache (none: a table the cache does not
+        hold, whose empty rows carry no width)."""
+        if positions.size == 0:
+            return
         self.rows[positions] = rows
         self.got[positions] = self.need[positions]
 

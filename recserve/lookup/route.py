@@ -77,7 +77,7 @@ class RoutePlan:
 
 def chunk_units(units: list[FetchUnit], max_ids: int) -> list[list[FetchUnit]]:
     """Split one shard's units into RPCs of at most ``max_ids`` ids each (a shard
-    answers RESOURCE_EXHAUSTED above its ``max_ids_per_rpc``; DESIGN.md §4).
+    answers RESOURCE_EXHAUSTED above its ``max_ids_per_rpc``; docs/architecture.md §4).
 
     Units are packed in order and cut where an RPC fills up, so every RPC but the last is
     full and a unit spans at most ``ceil(len / max_ids) + 1`` RPCs. A loop over units and

@@ -1,1 +1,1 @@
-"""rpc layer (see DESIGN.md §2)."""
+"""rpc layer (see docs/architecture.md §2)."""

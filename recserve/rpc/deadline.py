@@ -1,4 +1,4 @@
-"""Deadline and header helpers used at every process edge (DESIGN.md §3).
+"""Deadline and header helpers used at every process edge (docs/architecture.md §3).
 
 The effective deadline of a request is ``min(gRPC deadline, header.deadline_unix_ms)``,
 converted once to ``time.monotonic()`` seconds; internals only ever see monotonic time.

@@ -1,4 +1,4 @@
-"""Packed-array codec for the wire contract (DESIGN.md §4).
+"""Packed-array codec for the wire contract (docs/architecture.md §4).
 
 Arrays travel as ``recserve.v1.Tensor``: a dtype enum, a shape and little-endian
 bytes. Decoding validates length against dtype and shape and raises

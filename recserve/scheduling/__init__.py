@@ -1,4 +1,4 @@
-"""scheduling layer (see DESIGN.md §2, §6): one scheduler core with pluggable policies.
+"""scheduling layer (see docs/architecture.md §2, §6): one scheduler core with pluggable policies.
 
 - :class:`Scheduler` — the synchronous state machine (``add / schedule / complete /
   resolve / fail / cancel / next_wakeup / stats``), EDF within priority classes, admission,

@@ -1,4 +1,4 @@
-"""The scheduler core: a synchronous state machine with no I/O (DESIGN.md §6).
+"""The scheduler core: a synchronous state machine with no I/O (docs/architecture.md §6).
 
 Every call takes ``now`` (monotonic seconds) from its caller, so tests drive it with a
 fake clock and the async :class:`~recserve.scheduling.loop.ServingLoop` drives it with

@@ -1,4 +1,4 @@
-"""Feature-parallel windows (lookup client, reference §10.6.6, DESIGN.md §5).
+"""Feature-parallel windows (lookup client, reference §10.6.6, docs/architecture.md §5).
 
 Everything that arrives within one time/size window forms one batch: the lookup client
 then dedups the batch's ids per table and groups them by shard, so each shard gets one

@@ -1,5 +1,5 @@
 """The async serving loop: drives a :class:`~recserve.scheduling.core.Scheduler` on an
-asyncio event loop and runs its batches (DESIGN.md §6).
+asyncio event loop and runs its batches (docs/architecture.md §6).
 
 - It sleeps until new work, a finished batch, or the scheduler's ``next_wakeup``
   (window end / slack point / earliest deadline), then forms batches while fewer than

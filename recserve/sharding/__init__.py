@@ -1,4 +1,4 @@
-"""Sharding plan, consistent-hash ring, router and planner (DESIGN.md §4).
+"""Sharding plan, consistent-hash ring, router and planner (docs/architecture.md §4).
 
 Shared by shard servers (what do I store?) and lookup clients (where is id X?).
 Depends on nothing else in the repo but ``recserve.config`` and ``recserve.errors``;

@@ -2,7 +2,7 @@
 
 **Traffic model.** Each table's lookup stream is i.i.d. draws from its access
 distribution ``p`` (the planner's ``access_freq`` normalised; uniform when absent). The
-lookup client deduplicates per window of ``window_lookups`` draws (DESIGN.md §5), so id
+lookup client deduplicates per window of ``window_lookups`` draws (docs/architecture.md §5), so id
 ``i`` is requested at most once per window, with probability
 ``q_i = 1 - (1 - p_i) ** window_lookups``. Each requested id then costs:
 

@@ -1,4 +1,4 @@
-"""The sharding plan: which shard stores which rows of which table (DESIGN.md §4).
+"""The sharding plan: which shard stores which rows of which table (docs/architecture.md §4).
 
 Per table the ids fall into three tiers:
 

@@ -1,5 +1,5 @@
 """The planner: table sizes + access frequencies + shard budget -> a ShardingPlan and its
-estimates (DESIGN.md §4; reference §10.10.5, "Archetype B").
+estimates (docs/architecture.md §4; reference §10.10.5, "Archetype B").
 
 Per table: the top ``hot_fraction`` of ids by access frequency are hot (replicated
 ``hot_replicas`` ways), the next ``warm_fraction`` warm (column-sharded), the rest

@@ -1,4 +1,4 @@
-"""One table's placement: the plan's :class:`Tier` and :class:`TablePlan` (DESIGN.md §4).
+"""One table's placement: the plan's :class:`Tier` and :class:`TablePlan` (docs/architecture.md §4).
 
 Per table the ids fall into three tiers (:mod:`recserve.sharding.plan` describes them).
 This module is the data of one table and its JSON form; it sits below both

@@ -1,6 +1,6 @@
 """Upsert fan-out: which shard gets which ids, rows and column slice (pure; no I/O).
 
-An upsert must reach every owner of each id (DESIGN.md §4): all hot replicas, every
+An upsert must reach every owner of each id (docs/architecture.md §4): all hot replicas, every
 warm slice shard (each with only its columns), and the cold owner(s). The sender (the
 lookup client) sends one ``TableUpsert`` per part and acknowledges the caller only when
 every shard has acknowledged.

@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class EmbeddingShardStub:
-    """One shard server of the sharded embedding tables (DESIGN.md §4).
+    """One shard server of the sharded embedding tables (docs/architecture.md §4).
     """
 
     def __init__(self, channel):
@@ -58,7 +58,7 @@ class EmbeddingShardStub:
 
 
 class EmbeddingShardServicer:
-    """One shard server of the sharded embedding tables (DESIGN.md §4).
+    """One shard server of the sharded embedding tables (docs/architecture.md §4).
     """
 
     def Lookup(self, request, context):
@@ -124,7 +124,7 @@ def add_EmbeddingShardServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EmbeddingShard:
-    """One shard server of the sharded embedding tables (DESIGN.md §4).
+    """One shard server of the sharded embedding tables (docs/architecture.md §4).
     """
 
     @staticmethod

@@ -144,7 +144,7 @@ def test_lookup_stream_head_share_matches_zipf_theory() -> None:
     theory = zipf_theory(n_items, a)
     n_head, n_tail = n_items // 100, n_items // 2
     head_theory, tail_theory = math.fsum(theory[:n_head]), math.fsum(theory[n_items - n_tail :])
-    assert 0.7 < head_theory < 0.8  # DESIGN.md §5: the top 1% carries ≈75% of lookups
+    assert 0.7 < head_theory < 0.8  # docs/architecture.md §5: the top 1% carries ≈75% of lookups
 
     n = 1_000_000
     stream = sample_lookup_stream(big.item_popularity, n, np.random.default_rng(5))

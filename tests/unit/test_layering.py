@@ -1,4 +1,4 @@
-"""The layout DESIGN §2 describes, checked from the source (docs/architecture.md, "Layers").
+"""The layout docs/architecture.md §2 describes, checked from the source (docs/architecture.md, "Layers").
 
 Every ``import x`` and ``from x import y`` in the repo's packages is read with ``ast``
 (function-level and ``TYPE_CHECKING`` imports included: a deferred import is still a
@@ -16,7 +16,7 @@ dependency) and each module is put in one layer:
 Packages that do not exist yet are skipped, so a later package is covered the moment its
 folder lands; a *new* ``recserve`` subpackage or top-level package (any folder at the repo
 root with an ``__init__.py``, ``tests/`` aside) that is in no layer fails the test until
-it is placed in one here (and in DESIGN §2). A dotted string literal naming a repo module
+it is placed in one here (and in docs/architecture.md §2). A dotted string literal naming a repo module
 (``importlib.import_module("embedding_server.server")``, a lazy-export table) counts as an
 import for the layering rules, so a dynamic import cannot dodge them; it is not counted
 for cycles (it runs only when called, never at import time).
@@ -165,7 +165,7 @@ def layer_of(name: str) -> tuple[str, str] | None:
 
 
 def layering_violations(root: Path) -> list[str]:
-    """Every import that breaks DESIGN §2, as ``"file:line: a imports b (why)"``."""
+    """Every import that breaks docs/architecture.md §2, as ``"file:line: a imports b (why)"``."""
     modules = repo_modules(root)
     known = set(modules)
     problems: list[str] = []
@@ -173,7 +173,7 @@ def layering_violations(root: Path) -> list[str]:
         where = f"{path.relative_to(root)}"
         mine = layer_of(module)
         if mine is None:
-            problems.append(f"{where}: module {module} is in no layer; add its package to CORE, SERVERS or ROOT here and to DESIGN §2")
+            problems.append(f"{where}: module {module} is in no layer; add its package to CORE, SERVERS or ROOT here and to docs/architecture.md §2")
             continue
         layer, package = mine
         for imp in imports_of(module, path, known):

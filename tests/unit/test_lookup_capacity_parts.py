@@ -1,0 +1,68 @@
+"""The lean window parts: dense dedup, the near cache over a table without hot ids, and
+the transport settings the launcher passes to shard processes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from recserve.config.spec import LookupConfig
+from recserve.errors import ConfigError
+from recserve.lookup.client import LookupClient
+from recserve.lookup.transport import channel_options, transport_env
+from recserve.lookup.window import dedup
+from tests.unit.test_lookup_client import item_kjt
+from tests.unit.test_lookup_fakes import FakeShards, make_config, make_plan, make_weights
+
+
+@pytest.mark.parametrize("rows, n", [(200_000, 4_096), (1_000, 10), (50, 5_000), (10**9, 100), (1, 7)])
+def test_dedup_matches_np_unique_on_either_path(rows: int, n: int) -> None:
+    rng = np.random.default_rng(rows + n)
+    ids = (rng.zipf(1.2, n) % rows).astype(np.int64)
+    want_u, want_inv = np.unique(ids, return_inverse=True)
+    for _ in range(2):  # the reused scratch is clean after a window
+        u, inv = dedup(ids, rows)
+        assert u.dtype == np.int64 and inv.dtype == np.int64
+        assert np.array_equal(u, want_u) and np.array_equal(inv, want_inv.reshape(-1))
+        assert np.array_equal(u[inv], ids)
+    u, inv = dedup(np.zeros(0, dtype=np.int64), rows)
+    assert u.size == 0 and inv.size == 0
+
+
+def test_near_cache_over_a_plan_without_hot_ids_serves_every_window() -> None:
+    # A cold-only plan (hot_fraction 0) leaves the near cache nothing to hold; with
+    # near_cache_rows > 0 every window used to fail putting its (0, 0) "cached rows".
+    plan, _ = make_plan(hot_fraction=0.0, warm_fraction=0.0, hot_replicas=1)
+    weights = make_weights()
+    fake = FakeShards(plan, weights)
+    client = LookupClient(make_config(lookup=LookupConfig(near_cache_rows=16)), plan, fake)
+    ids = np.array([3, 7, 7, 11])
+
+    async def body() -> np.ndarray:
+        await client.start()
+        try:
+            result = await client.lookup(item_kjt(ids), pooled=False, timeout_s=5.0)
+        finally:
+            await client.aclose()
+        assert not result.degraded
+        return result.rows["item_id"].numpy()
+
+    assert np.array_equal(asyncio.run(body()), weights["item"][ids])
+
+
+def test_transport_settings_become_process_env_and_channel_options() -> None:
+    assert transport_env(LookupConfig()) == {}
+    env = transport_env(LookupConfig(grpc_experiments="-event_engine_client,-event_engine_listener", shard_malloc_mmap_threshold_bytes=1 << 22))
+    assert env == {
+        "GRPC_EXPERIMENTS": "-event_engine_client,-event_engine_listener",
+        "MALLOC_MMAP_THRESHOLD_": str(1 << 22),
+        "MALLOC_TRIM_THRESHOLD_": str(1 << 22),
+    }
+    assert ("grpc.http2.max_frame_size", 1 << 20) in channel_options(1 << 26, max_frame_bytes=1 << 20)
+    assert not any(k == "grpc.http2.max_frame_size" for k, _ in channel_options(1 << 26))
+    with pytest.raises(ConfigError, match="lookup.grpc_experiments"):
+        LookupConfig(grpc_experiments="x;rm -rf")
+    with pytest.raises(ConfigError, match="lookup.http2_max_frame_bytes = 100"):
+        LookupConfig(http2_max_frame_bytes=100)

@@ -19,6 +19,7 @@ without interpreter teardown (:func:`run_process`). Thread counts are set explic
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -180,13 +181,27 @@ def run_process(config: ShardProcessConfig, *, exit_process: Callable[[int], Any
     tear down the imported modules, and a shard with int8 tiers has imported torch and
     fbgemm for the quantiser: measured here, ≈0.45 s of module teardown and ≈0.1 s of
     their C++ static destructors — nearly all of such a shard's 0.6–0.75 s stop (a
-    numpy-only shard stops in ≈0.06 s). So flush the log handlers and stdio and
-    ``os._exit(0)``: the int8 shard then stops in ≈0.065 s (SIGTERM to reaped). An error from :func:`serve` propagates as before (the CLI prints
-    it and exits non-zero the normal way). ``exit_process`` is injectable for tests.
+    numpy-only shard stops in ≈0.06 s). So do by hand the two exit-time jobs whose
+    loss would show: :func:`logging.shutdown` (the atexit hook that flushes and closes
+    *every* handler, not only the root logger's) and flushing stdio, Python's and C's
+    (``fflush(NULL)``: a C/C++ library's buffered printf to a redirected stdout would
+    otherwise vanish); then ``os._exit(0)``: the int8 shard stops in ≈0.065 s (SIGTERM
+    to reaped). The other atexit hooks of a shard process (torch's and pybind11's
+    library deregistration, multiprocessing's child reaping: a shard has no children)
+    have nothing to keep. An error from :func:`serve` propagates as before (the CLI
+    prints it and exits non-zero the normal way). ``exit_process`` is injectable for tests.
     """
     asyncio.run(serve(config))
-    for handler in logging.getLogger().handlers:
-        handler.flush()
+    logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
+    _flush_c_stdio()
     exit_process(0)
+
+
+def _flush_c_stdio() -> None:
+    """``fflush(NULL)``: flush every C stdio stream (``os._exit`` does not)."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no libc symbols in this process: nothing buffered there
+        pass

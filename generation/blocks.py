@@ -165,6 +165,19 @@ class BlockPool:
             self._by_key[key] = block
             self._key_of[block] = key
 
+    def forget(self, blocks: list[int]) -> None:
+        """Unpublish ``blocks`` from the prefix cache (their K/V is suspect: a sequence
+        that read them failed). Holders keep using them; no later sequence matches them,
+        and each returns to the free list when its last holder lets go."""
+        for block in blocks:
+            key = self._key_of.pop(block, None)
+            if key is None:
+                continue
+            del self._by_key[key]
+            if self.refcount[block] == 0:
+                del self._evictable[block]
+                self._free.append(block)
+
     def is_shared(self, block: int) -> bool:
         """Must not be written in place: referenced twice or published in the cache."""
         return bool(self.refcount[block] > 1) or block in self._key_of

@@ -11,7 +11,8 @@ in flight at a time (reference §10.6.4, Algorithm 1; §10.8.2, Algorithm 3):
    it is recomputed when readmitted (reference §10.7.7). No admission in a step that
    preempted for room, so a victim is not readmitted at once. Then, if the queue's head
    is of a more urgent class than some residents and finds no room (blocks for its
-   first chunk, or a sequence slot), the least urgent of those are preempted for it.
+   first chunk, or a sequence slot), the least urgent of those are preempted for it; a
+   victim is never readmitted in the step that preempted it.
 2. **Decodes first**, one token each, in priority / deadline order, then **prefill
    chunks** of residents still prefilling (at most ``prefill_chunk_tokens`` each), all
    within ``token_budget`` tokens per step: a long prompt advances a chunk per step and
@@ -20,7 +21,8 @@ in flight at a time (reference §10.6.4, Algorithm 1; §10.8.2, Algorithm 3):
    blocks remain: the prompt's full blocks found in the prefix cache (same tenant, same
    model version) are taken by reference and skipped; the rest is prefilled in chunks.
 
-Blocks come back the moment a sequence ends: finished, failed, cancelled (queued or
+Blocks come back the moment a sequence ends (a failed one's also leave the prefix cache,
+so a cached NaN cannot fail later requests): finished, failed, cancelled (queued or
 resident: at once; in flight: when its step completes), dropped at its deadline (the
 core expires resident items before every step, so nothing decodes for a caller who has
 gone), or preempted. ``Handle.policy_data`` is the sequence's :class:`BlockTable`: the
@@ -30,7 +32,7 @@ engine reads which tokens to compute and where their K/V lives.
 from __future__ import annotations
 
 from recserve.errors import InvalidArgument
-from recserve.scheduling import Handle, Policy, PolicyKind, SchedulerView, register_policy
+from recserve.scheduling import Handle, ItemStatus, Policy, PolicyKind, SchedulerView, register_policy
 
 from generation.blocks import BlockPool, BlockTable, prefix_keys
 from generation.config import ContinuousBatchConfig
@@ -80,6 +82,12 @@ class PagedPolicy(Policy):
         self._release(handle)
 
     def on_finish(self, handle: Handle, now: float) -> None:
+        table = handle.policy_data
+        if table is not None and handle.status is ItemStatus.FAILED:
+            # Non-finite logits: some K/V it read may be bad (a shared prefix block too).
+            # Unpublish its blocks so later sequences recompute that prefix rather than
+            # fail on a cached NaN; sequences holding them now are not touched.
+            self.pool.forget(table.blocks)
         self._release(handle)
 
     def ready_at(self, view: SchedulerView, now: float) -> float | None:
@@ -145,12 +153,14 @@ class ContinuousBatchPolicy(PagedPolicy):
 
         need = sum(growth(h) for h in residents)
         preempted = False
+        victims: set[int] = set()  # seq of this step's victims: never readmitted in the step that preempted them
         while need > pool.free_count:
             victim = max(residents, key=self._victim_order)
             residents.remove(victim)
             need -= growth(victim)
             self._release(victim)
             view.preempt(victim)  # back to the queue with its generated tokens: recomputed later
+            victims.add(victim.seq)
             self.preemptions += 1
             preempted = True
 
@@ -169,6 +179,7 @@ class ContinuousBatchPolicy(PagedPolicy):
                 need -= growth(victim)
                 self._release(victim)
                 view.preempt(victim)
+                victims.add(victim.seq)
                 self.preemptions += 1
 
         # 2. Decodes (one token each), then resident prefill chunks, within the budget.
@@ -200,6 +211,11 @@ class ContinuousBatchPolicy(PagedPolicy):
         live = len(residents)
         sharing = cfg.kv.prefix_sharing
         while live < cfg.max_seqs and (head := view.peek()) is not None:
+            if head.seq in victims:
+                # A victim freed a whole sequence's blocks, usually more than the urgent
+                # arrival needed; readmitting it now would only recompute it and take back
+                # the room it was preempted for (thrash). It waits one step; head-of-line.
+                break
             tokens = known_tokens(head)
             total = len(tokens)
             keys = prefix_keys(head.item.tenant, cfg.kv.model_version, tokens, bt) if sharing else []

@@ -44,18 +44,29 @@ class DlrmConfig:
 @dataclasses.dataclass(frozen=True)
 class TwoTowerConfig:
     """Towers map ``embedding_dim``-wide pooled rows through one ``hidden`` layer to
-    ``out_dim`` unit vectors; softmax temperature ``temperature``."""
+    ``out_dim`` unit vectors; softmax temperature ``temperature``.
+
+    Defaults from a sweep on a 50k-item catalog (25k users, 500k impressions; recall@100
+    vs the ground truth): 16-wide rows 0.21 (8: 0.18, 32: 0.17), τ 0.05 ≈ 0.1, logQ
+    weight 0.25 (0.5: 0.15; 1.0 about half of 0.25's recall on a 20k-item catalog: the
+    click model keeps a popularity term),
+    batch 1,024 (2,048: 0.16), one epoch (two: 0.17, the id rows overfit).
+    """
 
     embedding_dim: int = 16
     hidden: int = 128
     out_dim: int = 32
-    temperature: float = 0.1
+    temperature: float = 0.05
     # Fraction of log q subtracted (1 = the full logQ correction; < 1 leaves part of the
     # popularity prior in the scores, as the click model's own popularity term does).
     logq_weight: float = 0.25
+    # Uniformly sampled extra negatives per batch (0 = in-batch negatives only; 1,024
+    # measured 0.02 lower recall@100 on a 50k-item catalog).
+    uniform_negatives: int = 0
 
     def __post_init__(self) -> None:
         require(0.0 <= self.logq_weight <= 1.0, "two_tower.logq_weight", self.logq_weight, "use a fraction in [0, 1]")
+        require(self.uniform_negatives >= 0, "two_tower.uniform_negatives", self.uniform_negatives, "use >= 0 sampled negatives")
         require(self.embedding_dim > 0 and self.hidden > 0 and self.out_dim > 0, "two_tower.dims", (self.embedding_dim, self.hidden, self.out_dim), "use positive widths")
         require(0 < self.temperature <= 1, "two_tower.temperature", self.temperature, "use a temperature in (0, 1]")
 

@@ -6,11 +6,15 @@ and compares the weights). Determinism: one ``torch.Generator`` per model for th
 initial weights and one numpy ``Generator`` per epoch for the row order, all derived
 from ``TrainConfig.seed``, so reruns on the same machine and device match.
 
-- DLRM and L3: BCE on the train split's impressions, leave-one-out count features.
-- Two-tower: in-batch sampled softmax over the train split's clicks with the logQ
-  correction (subtract log of each item's share of the positives, so popular items are
-  not over-penalised for appearing as negatives more often), duplicate positives of
-  the same item masked out of the negatives.
+- DLRM and L3: BCE on the train split's impressions, leave-one-out count features,
+  one epoch (a second one memorises the id tables).
+- Two-tower: in-batch sampled softmax over the train split's clicks and the users'
+  history entries (leave-one-out inputs) with the logQ correction (subtract a share of
+  the log of each item's frequency among the candidates, so popular items are not
+  over-penalised for appearing as negatives more often), duplicate positives of the
+  same item masked out of the negatives.
+- Embedding tables get sparse gradients and :class:`~ranker.optim.RowSparseAdam`;
+  dense layers plain Adam.
 """
 
 from __future__ import annotations
@@ -30,10 +34,10 @@ from tqdm import tqdm
 from ranker.config import TrainConfig
 from ranker.features import ServingArrays, gather_jagged, serving_arrays, user_dense_features
 from ranker.models.common import to_tensor
-from ranker.optim import RowSparseAdam
 from ranker.models.dlrm import DlrmRanker, dlrm_table_rows
 from ranker.models.l3 import L3Reranker
 from ranker.models.two_tower import USER_TOWER_FEATURES, TwoTower
+from ranker.optim import RowSparseAdam
 from ranker.scoring import dlrm_logits, item_vectors, l3_logits, resolve_device, tables_of
 from ranker.scrubbed import ScrubbedCatalog
 
@@ -80,6 +84,8 @@ def _batches(n: int, batch: int, rng: np.random.Generator, cap: int) -> Iterator
 
 
 Model = DlrmRanker | TwoTower | L3Reranker
+# One random stream per model for the row order (the seed list [seed, epoch, stream]).
+MODEL_STREAMS = {"dlrm": 0, "two_tower": 1, "l3": 2}
 
 
 def _optimizers(model: Model, lr: float) -> list[torch.optim.Optimizer]:
@@ -106,7 +112,7 @@ def _fit(
     model.train()
     mean = float("nan")
     for epoch in range(epochs):
-        rng = np.random.default_rng([config.seed, epoch, len(name)])
+        rng = np.random.default_rng([config.seed, epoch, MODEL_STREAMS[name]])
         total = min(n_rows, config.max_rows) if config.max_rows else n_rows
         bar = tqdm(total=total, desc=f"train {name} epoch {epoch + 1}/{epochs}", unit="row", file=sys.stderr, disable=not config.progress, leave=False)
         losses: list[float] = []
@@ -175,17 +181,27 @@ def train_two_tower(catalog: ScrubbedCatalog, arrays: ServingArrays, config: Tra
     users = np.concatenate([np.asarray(catalog.train.user)[clicked], np.repeat(np.arange(hist.num_rows, dtype=np.int64), hist.lengths())])
     items = np.concatenate([np.asarray(catalog.train.item)[clicked], hist.values])
     exclude = np.concatenate([np.full(len(clicked), -1, dtype=np.int64), np.arange(len(hist.values), dtype=np.int64)])
-    # logQ: the chance an item shows up as an in-batch candidate is its share of positives.
-    log_q = torch.from_numpy(np.log(np.bincount(items, minlength=catalog.num_items)[items] / max(1, len(items)))).float().to(device)
-    tau = config.two_tower.temperature
+    tt = config.two_tower
+    n_items = catalog.num_items
+    # Candidates of a batch: its B positives (drawn ∝ each item's share q of the
+    # positives) plus K uniform items (mixed negative sampling: tail items, which
+    # in-batch sampling almost never shows, get pushed down too). logQ: an item's
+    # expected count among the candidates is B·q + K/N; subtract (a share of) its log.
+    share = np.bincount(items, minlength=n_items) / max(1, len(items))
+    b, k = config.tt_batch_size, tt.uniform_negatives
+    # Items never positive and not sampled (k = 0) are never candidates: clamp their log.
+    log_q = torch.from_numpy(np.log(np.maximum(b * share + k / n_items, 1e-30))).float().to(device)
+    neg_rng = np.random.default_rng([config.seed, 1])
 
     def step(rows: np.ndarray) -> torch.Tensor:
-        it = items[rows]
+        cand = np.concatenate([items[rows], neg_rng.integers(0, n_items, k)])
         u = _user_tower_input(model, arrays, users[rows], exclude[rows], device)
-        v = item_vectors(model, arrays, it)
-        logits = (u @ v.T) / tau - config.two_tower.logq_weight * log_q[torch.from_numpy(rows).to(device)][None, :]
-        same = torch.from_numpy(it[:, None] == it[None, :]).to(device)
-        same.fill_diagonal_(False)
+        v = item_vectors(model, arrays, cand)
+        cand_t = torch.from_numpy(cand).to(device)
+        logits = (u @ v.T) / tt.temperature - tt.logq_weight * log_q[cand_t][None, :]
+        # Another candidate that is this row's own positive item is no negative.
+        same = torch.from_numpy(items[rows][:, None] == cand[None, :]).to(device)
+        same[:, : len(rows)].fill_diagonal_(False)
         logits = logits.masked_fill(same, float("-inf"))
         return F.cross_entropy(logits, torch.arange(len(rows), device=device))
 

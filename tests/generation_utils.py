@@ -1,6 +1,9 @@
 """Test helpers for the decode engine: a tiny random-init model, small configs, and a
-fake-clock harness that drives the scheduler core and the engine step by step while
-checking KV block conservation after every step."""
+fake-clock harness that drives the scheduler core and the engine step by step, checking
+the policy's plan before every step (token budget, chunk size, no victim readmitted in
+the step that preempted it) and the KV pool's books after it (per-block refcounts equal
+the block tables holding each block; free, evictable and referenced blocks partition the
+pool; only fully computed blocks are published)."""
 
 from __future__ import annotations
 
@@ -15,9 +18,10 @@ from generation.config import ContinuousBatchConfig, GenerationConfig, KvCacheCo
 from generation.engine import DecodeEngine, build, run_step
 from generation.model import TinyDecoder
 from generation.oracle import generate_recompute
-from generation.policy import PagedPolicy
+from generation.kv_cache import PagedKvCache
+from generation.policy import ContinuousBatchPolicy, PagedPolicy
 from generation.types import GenerationRequest
-from recserve.scheduling import AdmissionConfig, Handle, Priority, Scheduler
+from recserve.scheduling import AdmissionConfig, Batch, Handle, Outcome, Priority, Scheduler
 from tests.utils import Recorder
 
 
@@ -63,6 +67,26 @@ def random_prompt(rng: np.random.Generator, length: int) -> np.ndarray:
     return rng.integers(0, 256, size=length).astype(np.int64)
 
 
+class CheckedEngine(DecodeEngine):
+    """The engine, checking the policy's plan of each step before running it."""
+
+    def __init__(self, model: TinyDecoder, cache: PagedKvCache, policy: PagedPolicy) -> None:
+        super().__init__(model, cache)
+        self.policy = policy
+
+    def run_batch(self, batch: Batch) -> list[Outcome]:
+        planned = [h.policy_data.step_tokens for h in batch.handles]
+        for h in batch.handles:  # a preempted handle is re-queued at ``now``; steps counts its runs
+            assert not (h.steps > 1 and h.enqueued_at == batch.started_at), f"{h.request_id} readmitted in the step that preempted it"
+        if isinstance(self.policy, ContinuousBatchPolicy):
+            cfg = self.policy.config
+            if cfg.prefill_chunk_tokens is not None:
+                assert sum(planned) <= cfg.token_budget and max(planned) <= cfg.prefill_chunk_tokens, planned
+            else:  # unchunked: only the step's first prefill may go over the budget
+                assert sum(planned) - max(planned) <= cfg.token_budget, planned
+        return super().run_batch(batch)
+
+
 class DecodeHarness:
     """Scheduler + engine on a fake clock (``now`` advances 10 ms per step)."""
 
@@ -73,12 +97,12 @@ class DecodeHarness:
         sched, engine = build(cfg, self.model, admission=admission)
         if policy is not None:
             sched = Scheduler(policy, admission)
-            padding = getattr(policy, "padding_rows", None)
-            if padding is not None:
-                engine.padding = padding
-        self.sched: Scheduler = sched
-        self.engine: DecodeEngine = engine
         self.policy: PagedPolicy = sched.policy  # type: ignore[assignment]
+        self.engine: DecodeEngine = CheckedEngine(engine.model, engine.cache, self.policy)
+        padding = getattr(self.policy, "padding_rows", None)
+        if padding is not None:
+            self.engine.padding = padding
+        self.sched: Scheduler = sched
         self.rec = Recorder()
         self.now = 0.0
         self.handles: dict[str, Handle] = {}
@@ -109,14 +133,22 @@ class DecodeHarness:
         return steps
 
     def check_blocks(self) -> None:
-        """Every reference is held by a live sequence; free + used = the pool."""
+        """Each block's refcount = the live block tables holding it; free, evictable and
+        referenced blocks partition the pool; a published block is fully computed."""
         pool = self.policy.pool
+        bt = self.cfg.batching.kv.block_tokens
         held = [h.policy_data for h in self.handles.values() if h.policy_data is not None]
-        held += getattr(self.policy, "_padding", [])  # the static baseline's padded rows
         assert all(not h.done for h in self.handles.values() if h.policy_data is not None)
-        assert int(pool.refcount.sum()) == sum(len(t.blocks) for t in held)
-        assert int((pool.refcount > 0).sum()) == pool.used_count
-        assert pool.free_count + pool.used_count == pool.num_blocks
+        for t in held:  # taken from the cache, or computed by this sequence to the block's end
+            assert t.registered <= max(t.prefix_hit_blocks, t.computed // bt), (t.registered, t.computed)
+        held += getattr(self.policy, "_padding", [])  # the static baseline's padded rows
+        assert self.policy.live == len(held)
+        holders = np.bincount(np.array([b for t in held for b in t.blocks], dtype=np.int64), minlength=pool.num_blocks)
+        assert holders.tolist() == pool.refcount.tolist()
+        free, evictable = list(pool._free), list(pool._evictable)
+        assert len(set(free)) == len(free) and not set(free) & set(evictable)
+        assert set(free) | set(evictable) == set(np.flatnonzero(pool.refcount == 0).tolist())
+        assert set(evictable) <= set(pool._key_of) and all(pool._key_of[b] == k for k, b in pool._by_key.items())
 
     def oracle(self, rid: str) -> np.ndarray:
         return generate_recompute(self.model, self.requests[rid])

@@ -8,8 +8,8 @@ Every server this project runs is fuzzed with this from its integration tests::
 
 :func:`fuzz_server` lists the server's services and methods through gRPC server
 reflection (so a server must register it: :func:`recserve.rpc.server.add_health_and_reflection`),
-and sends every unary-request method (unary and server-streaming responses; client- and
-bidi-streaming methods are skipped) a fixed-seed set of bodies:
+and sends every method, of all four kinds, a fixed-seed set of bodies (a stream-request
+method gets each body as a one-message stream):
 
 * fixed hostile ones: the single byte ``0xfe``, ``0xff`` runs, a length prefix far
   beyond the body, the empty body;
@@ -19,10 +19,13 @@ bidi-streaming methods are skipped) a fixed-seed set of bodies:
   ``examples``, truncations of those real requests, which reach deeper into the servicer.
 
 Each body is first parsed locally with the reflected request type. A body that does not
-parse must be answered ``INVALID_ARGUMENT`` with the method's full name in the details;
-one that parses must never be answered ``UNKNOWN`` or ``INTERNAL`` (any other status is
-the servicer's business). Afterwards health must say SERVING for ``""`` and ``check``
-(a real request the caller knows must succeed) must pass. Every violation is collected
+parse must be answered ``INVALID_ARGUMENT`` with the method's full name in the details
+(its responses are read to the end: a stream may answer before it reads the bad
+message); one that parses must never be answered ``UNKNOWN`` or ``INTERNAL`` (any
+other status is the servicer's business; a streamed reply is cancelled after its first
+response, since some streams, like health ``Watch``, never end). Afterwards health must
+say SERVING for ``""`` and ``check`` (a real request the caller knows must succeed)
+must pass. Every violation is collected
 and reported in one ``AssertionError``; the returned :class:`FuzzReport` lets a test
 also assert on coverage (which methods were reached, how many bodies were malformed).
 """
@@ -59,6 +62,7 @@ class Method:
 
     path: str
     request_type: type[message.Message]
+    client_streaming: bool
     server_streaming: bool
 
 
@@ -74,26 +78,21 @@ class FuzzReport:
     """Per method path: cases sent, how many were malformed, the status codes seen."""
 
     methods: dict[str, MethodReport]
-    skipped: list[str]  # client-/bidi-streaming methods, not fuzzed
 
 
-def list_methods(channel: grpc.Channel, *, skip_services: Sequence[str] = ()) -> tuple[list[Method], list[str]]:
-    """Every method the server's reflection lists: (unary-request methods, skipped paths)."""
+def list_methods(channel: grpc.Channel, *, skip_services: Sequence[str] = ()) -> list[Method]:
+    """Every method of every service the server's reflection lists."""
     database = ProtoReflectionDescriptorDatabase(channel)
     pool = descriptor_pool.DescriptorPool(database)
     methods: list[Method] = []
-    skipped: list[str] = []
     for service_name in sorted(database.get_services()):
         if service_name in skip_services:
             continue
         service = pool.FindServiceByName(service_name)
         for m in service.methods:
-            path = f"/{service.full_name}/{m.name}"
-            if m.client_streaming:
-                skipped.append(path)
-                continue
-            methods.append(Method(path, message_factory.GetMessageClass(m.input_type), bool(m.server_streaming)))
-    return methods, skipped
+            request_type = message_factory.GetMessageClass(m.input_type)
+            methods.append(Method(f"/{service.full_name}/{m.name}", request_type, bool(m.client_streaming), bool(m.server_streaming)))
+    return methods
 
 
 def random_message(desc: Descriptor, rng: random.Random, depth: int = 2) -> message.Message:
@@ -171,20 +170,25 @@ def _parses(request_type: type[message.Message], body: bytes) -> bool:
     return True
 
 
-def _call(channel: grpc.Channel, method: Method, body: bytes, timeout_s: float) -> tuple[grpc.StatusCode, str]:
-    """Send ``body`` raw; a streaming call is cancelled after its first response."""
+def _call(channel: grpc.Channel, method: Method, body: bytes, timeout_s: float, *, drain: bool) -> tuple[grpc.StatusCode, str]:
+    """Send ``body`` raw (a one-message stream to a stream-request method); a streamed
+    reply is read to its end when ``drain``, else cancelled after its first response."""
+    request: Any = iter([body]) if method.client_streaming else body
+    kind = (method.client_streaming, method.server_streaming)
+    make = {(False, False): channel.unary_unary, (False, True): channel.unary_stream, (True, False): channel.stream_unary, (True, True): channel.stream_stream}[kind]
+    cancelled_by_us = False
     try:
+        reply = make(method.path, request_serializer=None, response_deserializer=None)(request, timeout=timeout_s)  # type: ignore[operator]
         if method.server_streaming:
-            call = channel.unary_stream(method.path, request_serializer=None, response_deserializer=None)(body, timeout=timeout_s)
-            for _ in call:
-                call.cancel()
-                break
-            return grpc.StatusCode.OK, ""
-        channel.unary_unary(method.path, request_serializer=None, response_deserializer=None)(body, timeout=timeout_s)
+            for _ in reply:
+                if not drain:
+                    cancelled_by_us = True
+                    reply.cancel()
+                    break
         return grpc.StatusCode.OK, ""
     except grpc.RpcError as exc:
         code = exc.code()  # type: ignore[attr-defined]
-        if method.server_streaming and code == grpc.StatusCode.CANCELLED:
+        if cancelled_by_us and code == grpc.StatusCode.CANCELLED:
             return grpc.StatusCode.OK, ""  # our own cancel after the first response
         return code, str(exc.details())  # type: ignore[attr-defined]
 
@@ -200,21 +204,19 @@ def fuzz_server(
     skip_services: Sequence[str] = (),
     options: Sequence[tuple[str, Any]] = (),
 ) -> FuzzReport:
-    """Fuzz every unary-request method of the server at ``address`` (see the module
-    docstring). ``examples``: real requests per method path, whose truncations are sent
+    """Fuzz every method of the server at ``address`` (see the module docstring). ``examples``: real requests per method path, whose truncations are sent
     too. ``check``: called with a channel after the fuzzing; raise if the server no
     longer serves. Raises AssertionError listing every violation."""
     failures: list[str] = []
-    report = FuzzReport(methods={}, skipped=[])
+    report = FuzzReport(methods={})
     with grpc.insecure_channel(address, options=list(options)) as channel:
-        methods, report.skipped = list_methods(channel, skip_services=skip_services)
-        for method in methods:
+        for method in list_methods(channel, skip_services=skip_services):
             # One stream per method, seeded by its name: adding a method changes no other's cases.
             rng = random.Random(seed * 1_000_003 + zlib.crc32(method.path.encode()))
             stats = report.methods.setdefault(method.path, MethodReport())
             for body in bodies(method, rng, cases_per_method, (examples or {}).get(method.path, ())):
                 parses = _parses(method.request_type, body)
-                code, details = _call(channel, method, body, timeout_s)
+                code, details = _call(channel, method, body, timeout_s, drain=not parses)
                 stats.cases += 1
                 stats.malformed += not parses
                 stats.codes[code.name] += 1

@@ -38,6 +38,7 @@ import asyncio
 import dataclasses
 import gc
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -96,6 +97,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from recserve.config.spec import LookupConfig
+
+    experiments = LookupConfig().grpc_experiments if args.grpc_experiments is None else args.grpc_experiments
+    if "grpc" not in sys.modules and experiments and "GRPC_EXPERIMENTS" not in os.environ:
+        # gRPC reads it once, when its core starts: the client in this process uses the
+        # same I/O path as the shards (a process that already loaded grpc keeps its own).
+        os.environ["GRPC_EXPERIMENTS"] = experiments
+    client_experiments = os.environ.get("GRPC_EXPERIMENTS", "") if "grpc" not in sys.modules else None
     import torch
 
     if args.plot is not None and args.sweep_rates is None:
@@ -109,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         report = _run(args, workdir)
+        report["config"]["client_grpc_experiments"] = client_experiments  # None: grpc was loaded before the bench set it
     finally:
         if own_dir:
             shutil.rmtree(workdir, ignore_errors=True)

@@ -86,8 +86,9 @@ def _train(root: Path, args: argparse.Namespace) -> Any:
     from ranker.evaluate import format_metrics
     from ranker.pipeline import train_and_export
 
-    # Tiny and quick: one pass of DLRM / L3, one of the two-tower, 500 users for recall.
-    config = TrainConfig(seed=args.seed, tt_epochs=1, eval_users=500)
+    # Tiny and quick: one pass each, 500 users for recall, one torch thread (two spin
+    # against the shard processes and everything else on a 2-core box).
+    config = TrainConfig(seed=args.seed, eval_users=500, threads=1)
     report = train_and_export(root / "catalog", root / "models", config)
     print(format_metrics(report.metrics, report.seconds))
     print(f"models      {root / 'models'} (model_version {report.manifest['model_version']}, trained on {report.device})")

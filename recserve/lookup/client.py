@@ -3,9 +3,9 @@
 Callers ``await client.lookup(kjt, pooled=...)``; the client validates each caller on
 its own, then queues it on a :class:`~recserve.scheduling.ServingLoop` driven by a
 :class:`~recserve.scheduling.FeatureParallelPolicy`. While the client is busy a window
-closes at dispatch (``lookup.close_at_dispatch``: as soon as the previous window's RPCs
-are sent, with every caller that arrived meanwhile); when idle, after
-``min(max_window, target_ids / arrival_rate)`` (or earlier: ``target_ids`` waiting, or
+closes at dispatch (``lookup.close_at_dispatch``: it collects every caller that arrives
+while the previous window's RPCs are in flight, and closes when that window is done);
+when idle, after the small ``window_ms`` timer (or earlier: ``target_ids`` waiting, or
 the tightest caller's slack only just covering the expected window time); the window's
 runner (:class:`~recserve.lookup.fanout.WindowRun`) dedups, routes, fans out one RPC
 per shard, hedges and resolves every caller by its own deadline, each through the
@@ -113,7 +113,6 @@ class LookupClient:
                 close_at_dispatch=lk.close_at_dispatch,
             )
         )
-        self.policy = policy
         self.scheduler = Scheduler(policy, admission)
         self._loop: ServingLoop | None = None
         self._refresh: asyncio.Task[bool] | None = None
@@ -214,23 +213,9 @@ class LookupClient:
     async def _run_window(self, batch: Batch) -> list[Failed]:
         loop = self._loop
         assert loop is not None
-        dispatched = False
-
-        def on_sent() -> None:
-            # The next window may close now (lookup.close_at_dispatch): exactly once per
-            # window, when its RPCs are sent or it ends without sending.
-            nonlocal dispatched
-            if not dispatched:
-                dispatched = True
-                self.policy.on_dispatched(self._clock())
-                loop.wake()
-
         running = [h for h in batch.handles if not h.done]  # not cancelled since scheduling
-        try:
-            if running:
-                await WindowRun(self.runtime, running, loop.resolve, on_sent=on_sent).run()
-        finally:
-            on_sent()
+        if running:
+            await WindowRun(self.runtime, running, loop.resolve).run()
         # Every caller was resolved through loop.resolve, so the scheduler ignores these;
         # were one left unresolved (a bug), it fails loudly instead of hanging or
         # receiving None.

@@ -67,17 +67,12 @@ class WindowRun:
 
     ``handles`` are the scheduler's running items of the window (payload: a
     :class:`CallerLookup`); each caller's result is handed to ``resolve(handle,
-    Done(result))`` as soon as it is ready, on the event loop thread. ``on_sent`` is
-    called once the window's primary RPCs are sent. An exception out of
+    Done(result))`` as soon as it is ready, on the event loop thread. An exception out of
     :meth:`run` is the batch's failure (the serving loop fails every unresolved item).
     """
 
-    def __init__(
-        self, rt: Runtime, handles: Sequence[Handle], resolve: Callable[[Handle, Resolution], bool],
-        *, on_sent: Callable[[], None] | None = None,
-    ) -> None:
+    def __init__(self, rt: Runtime, handles: Sequence[Handle], resolve: Callable[[Handle, Resolution], bool]) -> None:
         self.rt = rt
-        self._on_sent = on_sent  # told once the primary RPCs are sent (the next window may close)
         self.handles = list(handles)
         self._deliver = resolve
         self.callers: list[CallerLookup] = [h.item.payload for h in self.handles]
@@ -363,8 +358,6 @@ class WindowRun:
             for shard, units in by_shard.items():
                 for chunk in chunk_units(units, rt.config.max_ids_per_rpc):
                     self._send(shard, chunk, is_hedge=False)
-            if self._on_sent is not None:
-                self._on_sent()
             await self._drive()
         finally:
             self._cancel_outstanding()

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
+_SMALL = 32  # up to this many lengths, check them as a Python list
 
 
 def _as_int64(tensor: torch.Tensor, field: str) -> np.ndarray:
@@ -70,12 +71,21 @@ def validate_features(
     batch = lengths.shape[0] // n_keys if n_keys else 0
     if lengths.shape[0] != batch * n_keys:
         raise InvalidArgument(f"features.lengths has {lengths.shape[0]} entries, not a multiple of the {n_keys} features")
-    if lengths.size and int(lengths.min()) < 0:
+    if lengths.shape[0] <= _SMALL:
+        # A handful of bags (the common case): Python over the list is cheaper than two
+        # numpy reductions' call overhead.
+        small = lengths.tolist()
+        negative = bool(small) and min(small) < 0
+        total = sum(small)
+    else:
+        negative = bool(lengths.size) and int(lengths.min()) < 0
+        total = int(lengths.sum())
+    if negative:
         bad = int(np.flatnonzero(lengths < 0)[0])
         raise InvalidArgument(f"features.lengths[{bad}] = {int(lengths[bad])} is negative")
     # Ids per feature (a handful of features; arrays inside). One key, the common case,
     # needs no per-key split.
-    counts = [int(lengths.sum())] if n_keys == 1 else lengths.reshape(n_keys, batch).sum(axis=1).tolist()
+    counts = [total] if n_keys == 1 else lengths.reshape(n_keys, batch).sum(axis=1).tolist()
     if sum(counts) != values.shape[0]:
         raise InvalidArgument(f"features.lengths add up to {sum(counts)} but features.values has {values.shape[0]} ids")
 

@@ -25,17 +25,22 @@ a valid recserve.v1.LookupRequest: …`` through :func:`recserve.rpc.status.abor
 and the process keeps serving. Methods registered without a deserializer (raw-bytes
 handlers, e.g. the shard's test fault hook) are left as they are.
 
-Servicers must be ``async`` (coroutines or async generators), as every recserve servicer
-is; plain functions are called inline on the event loop, which is what a
-``grpc.aio.Server`` without a migration thread pool (this one) does with them anyway.
+Each wrapper is of its servicer's kind (coroutine, async generator, or plain function
+/ generator, which grpc runs in its thread pool with a sync context), so grpc treats
+the wrapped method exactly as the servicer: status codes and details a servicer aborts
+with, metadata, deadlines and cancellation are untouched. A stream-request servicer
+must read its stream in its own task, or in an ``asyncio.TaskGroup`` child (the error
+then arrives in an exception group, which is unwrapped); a stream read in a detached
+task loses the error, as it would lose any other. Interceptors: see :func:`make_server`.
 ``tests/grpc_fuzz.py`` checks all of this against any running server, through reflection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -43,7 +48,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from recserve.errors import InvalidArgument
-from recserve.rpc.status import abort_with
+from recserve.rpc.status import abort_with, abort_with_sync
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 REFLECTION_SERVICE: str = reflection.SERVICE_NAME
@@ -77,22 +82,35 @@ def make_server(
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` whose every method answers malformed request bytes with
     ``INVALID_ARGUMENT`` naming the method (a :class:`CheckedServer`). ``options`` are
-    added after :func:`server_options`; ``interceptors`` go to grpc as they are (they
-    see every RPC; the decode check needs none)."""
-    inner = grpc.aio.server(interceptors=list(interceptors), options=[*server_options(max_message_bytes), *options])
-    return CheckedServer(inner)
+    added after :func:`server_options`.
+
+    Without ``interceptors`` the handlers are wrapped once, at registration. With them,
+    the wrapping moves into one more interceptor placed outermost
+    (:class:`CheckingInterceptor`): the given interceptors then see the handlers as
+    registered (``request_deserializer`` set; a behaviour they wrap gets the parsed
+    message, not raw bytes), and the handler they hand back is the one checked. The
+    interceptor chain already costs a coroutine per RPC; this adds one link to it."""
+    server_opts = [*server_options(max_message_bytes), *options]
+    if interceptors:
+        inner = grpc.aio.server(interceptors=[CheckingInterceptor(), *interceptors], options=server_opts)
+        return CheckedServer(inner, check_at_registration=False)
+    return CheckedServer(grpc.aio.server(options=server_opts))
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> Health:
     """Register gRPC health (:class:`Health`) and server reflection on ``server``.
-    Reflection lists ``service_names`` plus health and reflection themselves (so tools
-    and ``tests/grpc_fuzz.py`` find every service); health answers NOT_SERVING for
-    ``""`` and each of ``service_names`` until the caller sets SERVING. Returns the
-    health servicer (``await health.set(name, status)``)."""
+    Reflection lists ``service_names``, every generated service already registered on a
+    :class:`CheckedServer` (so a service whose name the caller forgot is still listed,
+    and fuzzed by ``tests/grpc_fuzz.py``: register services first), and health and
+    reflection themselves; health answers NOT_SERVING for ``""`` and each of
+    ``service_names`` until the caller sets SERVING. Returns the health servicer
+    (``await health.set(name, status)``)."""
     names = list(service_names)
     health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection((*names, HEALTH_SERVICE, REFLECTION_SERVICE), server)
+    registered = server.service_names if isinstance(server, CheckedServer) else ()
+    listed = dict.fromkeys((*names, *registered, HEALTH_SERVICE, REFLECTION_SERVICE))  # ordered, unique
+    reflection.enable_server_reflection(tuple(listed), server)
     for name in ("", *names):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return health
@@ -102,8 +120,8 @@ class Health(health_pb2_grpc.HealthServicer):
     """gRPC health for an aio server whose ``Watch`` streams end at shutdown.
 
     Like ``grpc_health``'s async servicer (Check, Watch, ``set``,
-    ``enter_graceful_shutdown``), with one difference that matters for stopping fast:
-    there, a ``Watch`` stream stays open after graceful shutdown began, so
+    ``enter_graceful_shutdown``; and List, which that one lacks), with one difference
+    that matters for stopping fast: there, a ``Watch`` stream stays open after graceful shutdown began, so
     ``server.stop(grace)`` waits the whole grace for every watcher (a load balancer, a
     launcher waiting for SERVING) — measured: 2.07 s to stop an idle shard with one
     watcher and a 2 s grace. Here a watcher is sent NOT_SERVING and its stream then
@@ -123,6 +141,10 @@ class Health(health_pb2_grpc.HealthServicer):
         if status is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"health: unknown service {request.service!r}; known: {sorted(self._status)}")
         return health_pb2.HealthCheckResponse(status=status)
+
+    async def List(self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext) -> health_pb2.HealthListResponse:
+        """Every known service's status (the generated base answers UNIMPLEMENTED)."""
+        return health_pb2.HealthListResponse(statuses={name: health_pb2.HealthCheckResponse(status=s) for name, s in self._status.items()})
 
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         last = None
@@ -172,95 +194,198 @@ def decode(deserializer: Deserializer, method: str, raw: bytes) -> Any:
 
 def checked_handler(handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
     """``handler`` with malformed request bytes answered ``INVALID_ARGUMENT`` (see the
-    module docstring); unchanged when it has no deserializer or cannot be wrapped."""
+    module docstring); unchanged when it has no deserializer or cannot be wrapped.
+
+    The wrapper is of the same kind as the servicer, by grpc aio's own tests: a
+    coroutine function, an async generator function, or a plain (sync) function, which
+    grpc runs in its thread pool with a *sync* context (blocking ``abort``). So a sync
+    servicer stays off the event loop and its own ``context.abort`` still works, and
+    whatever status, metadata, deadline or cancellation a servicer sees or sets is
+    grpc's own: the wrapper only parses, and passes ``context`` through untouched.
+    """
     deserializer = handler.request_deserializer
     if deserializer is None:
         return handler
-    serializer = handler.response_serializer
-    behavior: Callable[..., Any] | None
-    if not handler.request_streaming:
-        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
-        if behavior is None:
-            return handler
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(_unary_stream(behavior, deserializer, method), None, serializer)
-        return grpc.unary_unary_rpc_method_handler(_unary_unary(behavior, deserializer, method), None, serializer)
-    behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
-    guarded = _stream_request(behavior) if behavior is not None else None
-    if guarded is None:
+    streaming = bool(handler.response_streaming)
+    if handler.request_streaming:
+        behavior = handler.stream_stream if streaming else handler.stream_unary
+    else:
+        behavior = handler.unary_stream if streaming else handler.unary_unary
+    if behavior is None:
         return handler
+    kind = _kind(behavior)
+    if kind is None or (kind == "asyncgen" and not streaming):
+        return handler  # not something grpc itself could run; leave its error to grpc
+    serializer = handler.response_serializer
+    if not handler.request_streaming:
+        if kind == "coroutine":  # unary response, or a unary-stream writer (context.write)
+            wrapped = _unary_async(behavior, deserializer, method)
+        elif kind == "asyncgen":
+            wrapped = _unary_stream_async(behavior, deserializer, method)
+        else:  # sync: a generator function for streams, so the parse runs in grpc's pool too
+            wrapped = (_unary_stream_sync if streaming else _unary_sync)(behavior, deserializer, method)
+        if streaming:
+            return grpc.unary_stream_rpc_method_handler(wrapped, None, serializer)
+        return grpc.unary_unary_rpc_method_handler(wrapped, None, serializer)
 
-    def raising(raw: bytes) -> Any:
+    def raising(raw: bytes) -> Any:  # runs inside the servicer's read of its request stream
         return decode(deserializer, method, raw)
 
-    if handler.response_streaming:
+    if kind == "coroutine":
+        guarded = _stream_coroutine(behavior)
+    elif kind == "asyncgen":
+        guarded = _stream_asyncgen(behavior)
+    else:
+        guarded = (_stream_stream_sync if streaming else _stream_unary_sync)(behavior)
+    if streaming:
         return grpc.stream_stream_rpc_method_handler(guarded, raising, serializer)
     return grpc.stream_unary_rpc_method_handler(guarded, raising, serializer)
 
 
-def _unary_unary(behavior: Callable[..., Any], deserializer: Deserializer, method: str) -> Callable[..., Awaitable[Any]]:
+def _kind(behavior: Callable[..., Any]) -> str | None:
+    """How grpc aio runs ``behavior`` (its ``_is_async_handler`` and streaming tests):
+    "coroutine", "asyncgen", "sync" (thread pool, sync context), or None (an awaitable
+    object, which no recserve servicer is)."""
+    if inspect.iscoroutinefunction(behavior):
+        return "coroutine"
+    if inspect.isasyncgenfunction(behavior):
+        return "asyncgen"
+    if inspect.isawaitable(behavior):
+        return None
+    return "sync"
+
+
+def _malformed(exc: BaseException) -> MalformedRequest | None:
+    """The :class:`MalformedRequest` behind ``exc``: itself, or the only kind of error
+    in an exception group (a servicer that reads its request stream in an
+    ``asyncio.TaskGroup`` task gets it wrapped so)."""
+    if isinstance(exc, MalformedRequest):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        match, rest = exc.split(MalformedRequest)
+        if match is not None and rest is None:
+            first: BaseException = match
+            while isinstance(first, BaseExceptionGroup):
+                first = first.exceptions[0]
+            return first if isinstance(first, MalformedRequest) else None
+    return None
+
+
+# -- unary request: the wrapper gets the raw bytes and parses them --------------------
+
+
+def _unary_async(behavior: Callable[..., Any], deserializer: Deserializer, method: str) -> Callable[..., Any]:
     async def handle(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
             request = decode(deserializer, method, raw)
         except MalformedRequest as exc:
             await abort_with(context, exc)
-        result = behavior(request, context)
-        return await result if inspect.isawaitable(result) else result
+            raise  # abort raised already; for a context that does not
+        return await behavior(request, context)
 
     return handle
 
 
-def _unary_stream(behavior: Callable[..., Any], deserializer: Deserializer, method: str) -> Callable[..., Any]:
-    if inspect.iscoroutinefunction(behavior):  # writes its responses with context.write
-
-        async def write(raw: bytes, context: grpc.aio.ServicerContext) -> None:
-            try:
-                request = decode(deserializer, method, raw)
-            except MalformedRequest as exc:
-                await abort_with(context, exc)
-            await behavior(request, context)
-
-        return write
-
+def _unary_stream_async(behavior: Callable[..., Any], deserializer: Deserializer, method: str) -> Callable[..., Any]:
     async def stream(raw: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         try:
             request = decode(deserializer, method, raw)
         except MalformedRequest as exc:
             await abort_with(context, exc)
-        responses = behavior(request, context)
-        if inspect.isasyncgen(responses):
+            raise
+        # aclosing: when the call ends early (cancelled, aborted), the servicer's own
+        # generator is closed with this one (its finally blocks run before the RPC's
+        # task ends), not later by the event loop's async-generator finaliser.
+        async with contextlib.aclosing(behavior(request, context)) as responses:
             async for response in responses:
-                yield response
-        else:
-            for response in responses:
                 yield response
 
     return stream
 
 
-def _stream_request(behavior: Callable[..., Any]) -> Callable[..., Any] | None:
-    """Catch :class:`MalformedRequest` (raised by the deserializer while the servicer
-    reads its request stream) around an async stream-request servicer."""
-    if inspect.isasyncgenfunction(behavior):
+def _unary_sync(behavior: Callable[..., Any], deserializer: Deserializer, method: str) -> Callable[..., Any]:
+    def handle(raw: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            request = decode(deserializer, method, raw)
+        except MalformedRequest as exc:
+            abort_with_sync(context, exc)
+            raise
+        return behavior(request, context)
 
-        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            try:
-                async for response in behavior(requests, context):
+    return handle
+
+
+def _unary_stream_sync(behavior: Callable[..., Any], deserializer: Deserializer, method: str) -> Callable[..., Any]:
+    def stream(raw: bytes, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            request = decode(deserializer, method, raw)
+        except MalformedRequest as exc:
+            abort_with_sync(context, exc)
+            raise
+        yield from behavior(request, context)
+
+    return stream
+
+
+# -- stream request: the deserializer raises inside the servicer's read; caught around it
+
+
+def _stream_coroutine(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await behavior(requests, context)
+        except (MalformedRequest, BaseExceptionGroup) as exc:
+            malformed = _malformed(exc)
+            if malformed is None:
+                raise
+            await abort_with(context, malformed)
+            raise
+
+    return call
+
+
+def _stream_asyncgen(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async with contextlib.aclosing(behavior(requests, context)) as responses:
+                async for response in responses:
                     yield response
-            except MalformedRequest as exc:
-                await abort_with(context, exc)
+        except (MalformedRequest, BaseExceptionGroup) as exc:
+            malformed = _malformed(exc)
+            if malformed is None:
+                raise
+            await abort_with(context, malformed)
+            raise
 
-        return stream
-    if inspect.iscoroutinefunction(behavior):
+    return stream
 
-        async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                return await behavior(requests, context)
-            except MalformedRequest as exc:
-                await abort_with(context, exc)
 
-        return call
-    return None
+def _stream_unary_sync(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def call(requests: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return behavior(requests, context)
+        except (MalformedRequest, BaseExceptionGroup) as exc:
+            malformed = _malformed(exc)
+            if malformed is None:
+                raise
+            abort_with_sync(context, malformed)
+            raise
+
+    return call
+
+
+def _stream_stream_sync(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def stream(requests: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from behavior(requests, context)
+        except (MalformedRequest, BaseExceptionGroup) as exc:
+            malformed = _malformed(exc)
+            if malformed is None:
+                raise
+            abort_with_sync(context, malformed)
+            raise
+
+    return stream
 
 
 class CheckedServer(grpc.aio.Server):
@@ -275,14 +400,21 @@ class CheckedServer(grpc.aio.Server):
     server (reflection picks its async servicer that way) treat it as one.
     """
 
-    def __init__(self, inner: grpc.aio.Server) -> None:
+    def __init__(self, inner: grpc.aio.Server, *, check_at_registration: bool = True) -> None:
+        """``check_at_registration=False``: ``inner`` checks elsewhere (its outermost
+        interceptor is a :class:`CheckingInterceptor`); handlers go to it as they are."""
         self._inner = inner
+        self._check = check_at_registration
+        self.service_names: list[str] = []  # of add_registered_method_handlers (generated code), in order
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
-        self._inner.add_generic_rpc_handlers([CheckedGenericHandler(h) for h in generic_rpc_handlers])
+        handlers = list(generic_rpc_handlers)
+        self._inner.add_generic_rpc_handlers([CheckedGenericHandler(h) for h in handlers] if self._check else handlers)
 
     def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        checked = {name: checked_handler(h, f"/{service_name}/{name}") for name, h in method_handlers.items()}
+        if service_name not in self.service_names:
+            self.service_names.append(service_name)
+        checked = {name: checked_handler(h, f"/{service_name}/{name}") for name, h in method_handlers.items()} if self._check else dict(method_handlers)
         # grpc >= 1.62 (the generated code calls it); grpc-stubs 1.53 predates it.
         self._inner.add_registered_method_handlers(service_name, checked)  # type: ignore[attr-defined]
 
@@ -302,19 +434,14 @@ class CheckedServer(grpc.aio.Server):
         return await self._inner.wait_for_termination(timeout)
 
 
-class CheckedGenericHandler(grpc.GenericRpcHandler):
-    """A generic handler whose handlers go through :func:`checked_handler`. Generic
-    handlers are asked per RPC; the wrapped handler is cached per (method, handler)."""
+class _CheckedCache:
+    """:func:`checked_handler` results per (method, handler): generic handlers and
+    interceptors hand out their (static) handlers per RPC; each is wrapped once."""
 
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
-        self._inner = inner
+    def __init__(self) -> None:
         self._wrapped: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = self._inner.service(handler_call_details)
-        if handler is None:  # not this handler's method
-            return None
-        method: str = handler_call_details.method  # type: ignore[attr-defined]
+    def checked(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         key = (method, id(handler))
         hit = self._wrapped.get(key)
         if hit is not None and hit[0] is handler:
@@ -324,3 +451,36 @@ class CheckedGenericHandler(grpc.GenericRpcHandler):
             self._wrapped.clear()
         self._wrapped[key] = (handler, wrapped)  # keeps ``handler`` alive: its id stays unique
         return wrapped
+
+
+class CheckedGenericHandler(grpc.GenericRpcHandler):
+    """A generic handler whose handlers go through :func:`checked_handler`. Generic
+    handlers are asked per RPC; the wrapped handler is cached per (method, handler)."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+        self._inner = inner
+        self._cache = _CheckedCache()
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._inner.service(handler_call_details)
+        if handler is None:  # not this handler's method
+            return None
+        return self._cache.checked(handler, handler_call_details.method)  # type: ignore[attr-defined]
+
+
+class CheckingInterceptor(grpc.aio.ServerInterceptor):
+    """The outermost interceptor of a server built with interceptors
+    (:func:`make_server`): checks the handler the inner interceptors hand back."""
+
+    def __init__(self) -> None:
+        self._cache = _CheckedCache()
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:  # no such method: grpc answers UNIMPLEMENTED
+            return handler
+        return self._cache.checked(handler, handler_call_details.method)  # type: ignore[attr-defined]

@@ -75,5 +75,13 @@ async def abort_with(context: grpc.aio.ServicerContext, error: BaseException) ->
     await context.abort(grpc_code(error), grpc_details(error))
 
 
+def abort_with_sync(context: grpc.ServicerContext, error: BaseException) -> None:
+    """:func:`abort_with` for a sync servicer's context (grpc runs sync handlers in its
+    thread pool, with a context whose ``abort`` blocks and raises AbortError)."""
+    if isinstance(error, RecserveError) and error.retry_after_s is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(int(error.retry_after_s * 1000))),))
+    context.abort(grpc_code(error), grpc_details(error))
+
+
 def is_retryable(code: grpc.StatusCode | None) -> bool:
     return code in RETRYABLE_CODES

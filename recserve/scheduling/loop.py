@@ -259,11 +259,6 @@ class ServingLoop:
         if self.scheduler.cancel(handle, self._clock()):
             self._wake_up()
 
-    def wake(self) -> None:
-        """Ask the driver to consult the policy again now: for a policy whose readiness
-        changed outside the scheduler's own events (e.g. a window's RPCs were sent)."""
-        self._wake_up()
-
     def _wake_up(self) -> None:
         if self._wake is not None:
             self._wake.set()

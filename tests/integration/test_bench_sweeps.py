@@ -70,7 +70,8 @@ def test_bench_lookup_sweep_small(tmp_path: Path, capsys: pytest.CaptureFixture[
         ["--items", "4000", "--dim", "16", "--shards", "2", "--concurrency", "8", "--ids-per-request", "16", "--bags", "4",
          "--seconds", "0.2", "--open-loop-seconds", "0.2", "--rate", "100", "--stream-requests", "3000", "--prebuilt-kjts", "200",
          "--check-requests", "20", "--no-redis", "--workdir", str(tmp_path / "work"), "--json",
-         "--sweep-rates", "300,100", "--sweep-seconds", "0.3", "--slo-ms", "500", "--plot", str(plot)]
+         "--sweep-rates", "300,100", "--sweep-seconds", "0.3", "--slo-ms", "500", "--plot", str(plot),
+         "--no-knees", "--no-tiered", "--concurrency-high", "0", "--unloaded-seconds", "0.2"]
     )  # fmt: skip
     threads = torch.get_num_threads()
     try:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from recserve.cluster.shards import ShardCluster
-from recserve.config.spec import LookupConfig, ShardServerConfig
+from recserve.config.spec import POLL_IO_EXPERIMENTS, LookupConfig, ShardServerConfig
 from recserve.lookup.client import LookupClient
 from recserve.lookup.transport import transport_env
 from tests.unit.test_lookup_client import item_kjt
@@ -20,7 +20,7 @@ from tests.unit.test_lookup_fakes import make_config, make_plan, make_weights
 
 pytestmark = pytest.mark.integration
 
-POLL_IO = "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints"
+POLL_IO = POLL_IO_EXPERIMENTS
 
 
 def child_env(pid: int) -> dict[str, str]:

@@ -162,6 +162,24 @@ def test_a_sequence_with_nan_logits_fails_alone_and_the_batch_goes_on() -> None:
     assert h.policy.pool.used_count == 0
 
 
+
+def test_a_nan_in_block_zero_does_not_reach_the_padded_prefill_chunks_beside_it() -> None:
+    # Padded key columns of a prefill group must read the never-written null slot: a
+    # zero-filled block table would point them at physical block 0, and masked-out NaN
+    # still poisons the softmax-weighted sum (0 * NaN).
+    h = DecodeHarness(tiny_config(num_blocks=64, block_tokens=4, chunk=8))
+    rng = np.random.default_rng(13)
+    h.add("bad", GenerationRequest(random_prompt(rng, 5), max_new_tokens=20))
+    h.step()
+    assert h.handles["bad"].policy_data.blocks[0] == 0
+    h.engine.cache.kv[:, 0:4, 1] = float("nan")  # physical block 0, V
+    h.add("p_short", GenerationRequest(random_prompt(rng, 3), max_new_tokens=4))
+    h.add("p_long", GenerationRequest(random_prompt(rng, 9), max_new_tokens=4))
+    assert sorted(h.step()) == ["bad", "p_long", "p_short"]  # one step: two chunks of 3 and 8 tokens, padded
+    h.run()
+    assert set(h.rec.errors) == {"bad"}
+    h.assert_matches_oracle(["p_short", "p_long"])
+
 def test_priority_and_remaining_work_choose_the_victim() -> None:
     h = DecodeHarness(tiny_config(num_blocks=10, block_tokens=4, max_seqs=4, chunk=None, token_budget=64))
     rng = np.random.default_rng(9)
@@ -189,3 +207,44 @@ def test_a_more_urgent_arrival_preempts_a_less_urgent_running_sequence() -> None
     assert h.handles["be_long"].status is ItemStatus.QUEUED and h.policy.preemptions == 1
     h.run()
     h.assert_matches_oracle()  # the victim resumed by recompute, no token twice
+
+
+def test_a_victim_preempted_for_an_urgent_arrival_waits_a_step_before_it_is_readmitted() -> None:
+    # The victim frees 7 blocks, the urgent arrival's first chunk takes 4: room is left,
+    # but readmitting the victim in the same step would recompute it at once and take
+    # back the room it was preempted for.
+    h = DecodeHarness(tiny_config(num_blocks=10, block_tokens=4, max_seqs=4, chunk=16, token_budget=32))
+    rng = np.random.default_rng(11)
+    h.add("std", GenerationRequest(random_prompt(rng, 20), max_new_tokens=12))
+    std = h.handles["std"]
+    h.step()
+    while len(std.policy_data.blocks) < 7:
+        h.step()
+    assert h.policy.pool.free_count == 3
+    h.add("crit", GenerationRequest(random_prompt(rng, 16), max_new_tokens=4), priority=Priority.CRITICAL)
+    assert h.step() == ["crit"]  # its 4-block chunk did not fit in 3: std was preempted for it
+    assert h.policy.preemptions == 1 and std.status is ItemStatus.QUEUED
+    h.run()
+    assert set(h.rec.done) == {"std", "crit"}  # the victim resumed later, by recompute
+    h.assert_matches_oracle()
+
+
+def test_a_failed_sequence_s_cached_prefix_is_not_handed_to_later_requests() -> None:
+    h = DecodeHarness(tiny_config(num_blocks=64, block_tokens=4, chunk=8))
+    rng = np.random.default_rng(12)
+    system = random_prompt(rng, 8)  # 2 full blocks, registered once prefilled
+    h.add("bad", GenerationRequest(np.concatenate([system, random_prompt(rng, 3)]), max_new_tokens=6))
+    h.step()  # the 8 system tokens: both blocks published in the prefix cache
+    bad = h.handles["bad"].policy_data
+    assert bad.registered == 2 and h.policy.pool.cached_count == 2
+    bt = h.cfg.batching.kv.block_tokens
+    block = bad.blocks[0]
+    h.engine.cache.kv[:, block * bt : (block + 1) * bt, 1] = float("nan")  # a fault in a shared prefix block
+    h.run()
+    assert set(h.rec.errors) == {"bad"}
+    h.add("next", GenerationRequest(np.concatenate([system, random_prompt(rng, 2)]), max_new_tokens=5))
+    h.run()
+    assert set(h.rec.errors) == {"bad"}  # next did not read the cached NaN
+    assert h.policy.prefix_hit_blocks == 0  # it recomputed the system prompt
+    h.assert_matches_oracle(["next"])
+    assert h.policy.pool.cached_count == 2 and h.policy.pool.used_count == 0  # next's own blocks are cached now

@@ -53,7 +53,8 @@ def test_near_cache_over_a_plan_without_hot_ids_serves_every_window() -> None:
 
 
 def test_transport_settings_become_process_env_and_channel_options() -> None:
-    assert transport_env(LookupConfig()) == {}
+    assert transport_env(LookupConfig(grpc_experiments="", shard_malloc_mmap_threshold_bytes=0)) == {}
+    assert set(transport_env(LookupConfig())) == {"GRPC_EXPERIMENTS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"}  # measured defaults
     env = transport_env(LookupConfig(grpc_experiments="-event_engine_client,-event_engine_listener", shard_malloc_mmap_threshold_bytes=1 << 22))
     assert env == {
         "GRPC_EXPERIMENTS": "-event_engine_client,-event_engine_listener",

@@ -1,8 +1,8 @@
 """``lookup.close_at_dispatch``: under load a window closes at dispatch, not at its timer.
 
 Scheduler-level tests drive :class:`FeatureParallelPolicy` with a fake clock and count
-windows per caller; the client-level test freezes the client's clock, so only a window
-that closes at dispatch can form at all while the first window's RPCs are in flight.
+windows per caller; the client-level test freezes the client's clock, so no window
+timer ever ends: only a window that closes at dispatch can form at all.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ def closed_loop(close_at_dispatch: bool, callers: int = 8, rounds: int = 5) -> t
         waits.append(now - arrived)
         for h in batch.handles:
             windows_of[h.item.payload] += 1
-        policy.on_dispatched(now)  # the window's RPCs are sent at once
         now += SERVICE_S
         sched.complete(batch, [Done(None)] * len(batch), now)
     return windows_of, waits
@@ -79,93 +78,93 @@ def test_without_close_at_dispatch_every_window_waits_its_timer() -> None:
     assert waits == [pytest.approx(WINDOW_MS / 1e3)] * 5
 
 
-def test_a_window_collects_while_the_previous_one_prepares_and_closes_when_it_is_sent() -> None:
-    sched, policy = make_scheduler(close_at_dispatch=True)
-    for c in range(4):
-        add(sched, c, 0.0)
-    first = sched.schedule(WINDOW_MS / 1e3)  # idle client: the timer closed it
+def test_a_window_collects_while_the_previous_one_is_in_flight_and_closes_when_it_is_done() -> None:
+    sched, _ = make_scheduler(close_at_dispatch=True)
+    warm = [add(sched, c, 0.0) for c in range(4)]
+    batch = sched.schedule(WINDOW_MS / 1e3)  # idle client: the timer closed it
+    assert batch is not None and list(batch.handles) == warm
+    sched.complete(batch, [Done(None)] * 4, 4e-3)  # a measured window: 3 ms
+    for c in range(4):  # closed loop: they resubmit at once, and go at once
+        add(sched, c, 4e-3)
+    first = sched.schedule(4e-3)
     assert first is not None and len(first) == 4
-    # While the first window still prepares its RPCs, three callers arrive: they wait for
-    # its dispatch, with no timer of their own (no wake-up time at all)...
-    t = 1.1e-3
-    for c in range(4, 7):
+    # While the first window's RPCs are in flight, three callers arrive at 4.1, 4.5 and
+    # 5.5 ms: they wait for it, past their own 1 ms timer (5.1 ms)...
+    for c, t in zip(range(4, 7), (4.1e-3, 4.5e-3, 5.5e-3)):
         add(sched, c, t)
-    assert sched.schedule(t) is None and sched.next_wakeup(t) is None
-    assert sched.schedule(10e-3) is None  # long past their timer (2.1 ms): still collecting
-    # ...and close the moment the first window is sent, all three in one window.
-    policy.on_dispatched(10.5e-3)
-    second = sched.schedule(10.5e-3)
+        assert sched.schedule(t) is None
+    assert sched.schedule(6.9e-3) is None
+    # ...and close the moment the first window is done, all three in one window.
+    sched.complete(first, [Done(None)] * 4, 7e-3)
+    second = sched.schedule(7e-3)
     assert second is not None and sorted(h.item.payload for h in second.handles) == [4, 5, 6]
-    # A caller arriving while the second prepares (the first still in flight) waits for it.
-    add(sched, 7, 11e-3)
-    assert sched.schedule(11e-3) is None
-    policy.on_dispatched(11.2e-3)
-    third = sched.schedule(11.2e-3)
-    assert third is not None and [h.item.payload for h in third.handles] == [7]
+    # The first window's callers resubmit at once: they wait for the second, then go together.
+    for c in range(4):
+        add(sched, c, 7e-3)
+    assert sched.schedule(7.5e-3) is None
+    sched.complete(second, [Done(None)] * 3, 10e-3)
+    third = sched.schedule(10e-3)
+    assert third is not None and sorted(h.item.payload for h in third.handles) == [0, 1, 2, 3]
 
 
-def test_an_idle_client_waits_the_timer_again() -> None:
-    sched, policy = make_scheduler(close_at_dispatch=True)
+def test_a_window_stuck_in_flight_does_not_hold_the_queue_past_a_measured_window() -> None:
+    sched, _ = make_scheduler(close_at_dispatch=True)
     add(sched, 0, 0.0)
-    batch = sched.schedule(1e-3)
-    assert batch is not None
-    policy.on_dispatched(1e-3)
-    sched.complete(batch, [Done(None)], 2e-3)
-    # Arriving within a window of the last completion: the client is still busy.
-    add(sched, 1, 2.5e-3)
-    batch = sched.schedule(2.5e-3)
-    assert batch is not None
-    policy.on_dispatched(2.5e-3)
-    sched.complete(batch, [Done(None)], 3e-3)
-    # Arriving 10 ms after the client went idle: the window's timer applies.
-    add(sched, 2, 13e-3)
-    assert sched.schedule(13e-3) is None
-    assert sched.next_wakeup(13e-3) == pytest.approx(14e-3)
+    first = sched.schedule(1e-3)
+    assert first is not None
+    sched.complete(first, [Done(None)], 4e-3)  # a measured window: 3 ms
+    add(sched, 1, 4e-3)
+    stuck = sched.schedule(4e-3)  # busy (just finished): closes at dispatch
+    assert stuck is not None
+    add(sched, 2, 4.5e-3)
+    assert sched.schedule(9e-3) is None  # still a plausible window in flight
+    # It waits until the stuck window has taken twice its measured time, not forever.
+    assert sched.next_wakeup(9e-3) == pytest.approx(4e-3 + 2 * 3e-3)
+    late = sched.schedule(10e-3)
+    assert late is not None and [h.item.payload for h in late.handles] == [2]
 
 
 @pytest.mark.parametrize("close_at_dispatch", [True, False])
-def test_client_next_window_forms_while_the_first_is_in_flight_only_at_dispatch(close_at_dispatch: bool) -> None:
-    """The client's clock is frozen, so no window timer ever expires: the first window
-    closes on its size cap (8 ids), and a second window can only form at dispatch."""
+def test_client_windows_close_at_dispatch_under_load_not_at_their_timer(close_at_dispatch: bool) -> None:
+    """The client's clock is frozen, so no window timer ever ends: the first window
+    closes on its size cap (8 ids). Callers arriving while it is in flight form the next
+    window the moment it is done only with close_at_dispatch; without it they wait for
+    the frozen timer until aclose drains them."""
     plan, _ = make_plan()
     fake = FakeShards(plan, make_weights())
     lookup = LookupConfig(window_ms=50.0, max_window_ms=50.0, target_ids=8, close_at_dispatch=close_at_dispatch)
     client = LookupClient(make_config(lookup=lookup), plan, fake, clock=lambda: 0.0)
     cold = tier_ids(plan, "item", Tier.COLD)
 
-    async def body() -> tuple[int, int, int]:
+    async def until(cond: Callable[[], bool]) -> bool:
+        for _ in range(500):  # event-loop turns, not time
+            if cond():
+                return True
+            await asyncio.sleep(0)
+        return cond()
+
+    async def body() -> tuple[int, bool, bool]:
         for shard in range(plan.num_shards):
             fake.set_blocked(shard)
         first = [asyncio.ensure_future(client.lookup(item_kjt(cold[2 * i : 2 * i + 2]), pooled=False, timeout_s=5.0)) for i in range(4)]
-        for _ in range(200):  # until the first window's RPCs reached the (blocked) shards
-            if fake.rpcs():
-                break
-            await asyncio.sleep(0)
-        rpcs_first = fake.rpcs()
+        assert await until(lambda: fake.rpcs() > 0)  # the first window's RPCs reached the blocked shards
         second = [asyncio.ensure_future(client.lookup(item_kjt(cold[8 + i : 9 + i]), pooled=False, timeout_s=5.0)) for i in range(3)]
-        for _ in range(200):
-            if client.stats.windows >= 2:
-                break
-            await asyncio.sleep(0)
-        windows_while_blocked = client.stats.windows
+        await until(lambda: client.stats.windows >= 2)
+        windows_while_in_flight = client.stats.windows  # they collect, they do not split off
         for shard in range(plan.num_shards):
             fake.release(shard)
         results = await asyncio.gather(*first)
-        second_done = all(f.done() for f in second)
-        # Without close_at_dispatch the second window waits for a timer that the frozen
-        # clock never ends: aclose (which drains, closing every window) serves it.
-        await client.aclose()
+        served = await until(lambda: all(f.done() for f in second))
+        await client.aclose()  # drains whatever still waits for a timer
         results += await asyncio.gather(*second)
         assert not any(r.degraded for r in results)
-        return rpcs_first, windows_while_blocked, int(second_done)
+        return windows_while_in_flight, served, client.stats.windows == 2
 
-    rpcs_first, windows_while_blocked, second_done = asyncio.run(run_client(client, body))
-    assert rpcs_first >= 1
-    # With close_at_dispatch the 3 new callers formed one window at once, in flight beside
-    # the first, and were served before aclose.
-    assert windows_while_blocked == (2 if close_at_dispatch else 1)
-    assert second_done == int(close_at_dispatch)
-    assert client.stats.windows == 2 and client.stats.callers == 7
+    windows_while_in_flight, served, two_windows = asyncio.run(run_client(client, body))
+    assert windows_while_in_flight == 1
+    assert served == close_at_dispatch  # closed at dispatch: served before aclose
+    assert two_windows  # 7 callers, 2 windows either way: nobody split off
+    assert client.stats.callers == 7
 
 
 async def run_client(client: LookupClient, body: Callable[[], Awaitable[T]]) -> T:

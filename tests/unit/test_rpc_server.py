@@ -5,6 +5,7 @@ called directly with a fake context)."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -119,6 +120,94 @@ def test_stream_request_servicers_get_invalid_argument_from_a_bad_message() -> N
             yield handler.request_deserializer(body)
 
     assert run(handler.stream_unary(stream([GOOD, GOOD]), FakeContext())) == 2
+    with pytest.raises(Aborted) as err:
+        run(handler.stream_unary(stream([GOOD, BAD]), FakeContext()))
+    assert_invalid_argument(err)
+
+
+class SyncContext:
+    """What grpc hands a sync servicer (run in its thread pool): a blocking abort."""
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Aborted(code, details)
+
+    def set_trailing_metadata(self, metadata: Any) -> None:
+        pass
+
+
+def kind_of(fn: Any) -> str:
+    return "coroutine" if inspect.iscoroutinefunction(fn) else "asyncgen" if inspect.isasyncgenfunction(fn) else "sync"
+
+
+def test_each_wrapper_is_of_its_servicers_kind_so_grpc_runs_it_the_same_way() -> None:
+    """grpc aio runs a plain function in its thread pool with a sync context (blocking
+    abort); wrapping one in a coroutine would run it on the event loop, where its
+    ``context.abort`` returns an un-awaited coroutine and the abort is lost."""
+
+    async def coro(request: Any, context: Any) -> Any:
+        return request
+
+    async def agen(request: Any, context: Any) -> AsyncIterator[Any]:
+        yield request
+
+    def plain(request: Any, context: Any) -> Any:
+        return request
+
+    def gen(request: Any, context: Any) -> Any:
+        yield request
+
+    makers = {
+        (False, False): (grpc.unary_unary_rpc_method_handler, "unary_unary"),
+        (False, True): (grpc.unary_stream_rpc_method_handler, "unary_stream"),
+        (True, False): (grpc.stream_unary_rpc_method_handler, "stream_unary"),
+        (True, True): (grpc.stream_stream_rpc_method_handler, "stream_stream"),
+    }
+    for (request_streaming, response_streaming), (make, attr) in makers.items():
+        behaviors = [coro, plain] + ([agen, gen] if response_streaming else [])
+        for behavior in behaviors:
+            wrapped: Any = checked_handler(make(behavior, embedding_pb2.GetPlanRequest.FromString), METHOD)
+            expected = "sync" if behavior is gen else kind_of(behavior)
+            assert kind_of(getattr(wrapped, attr)) == expected, (attr, behavior.__name__)
+            assert (wrapped.request_deserializer is None) == (not request_streaming)
+
+
+def test_sync_servicers_abort_through_their_sync_context() -> None:
+    def plain(request: Any, context: Any) -> embedding_pb2.GetPlanResponse:
+        return embedding_pb2.GetPlanResponse(plan_version=4)
+
+    def gen(request: Any, context: Any) -> Any:
+        yield embedding_pb2.GetPlanResponse(plan_version=5)
+
+    unary: Any = checked_handler(grpc.unary_unary_rpc_method_handler(plain, embedding_pb2.GetPlanRequest.FromString), METHOD)
+    assert unary.unary_unary(GOOD, SyncContext()).plan_version == 4
+    with pytest.raises(Aborted) as err:
+        unary.unary_unary(BAD, SyncContext())
+    assert_invalid_argument(err)
+    stream: Any = checked_handler(grpc.unary_stream_rpc_method_handler(gen, embedding_pb2.GetPlanRequest.FromString), METHOD)
+    assert [r.plan_version for r in stream.unary_stream(GOOD, SyncContext())] == [5]
+    with pytest.raises(Aborted) as err:
+        list(stream.unary_stream(BAD, SyncContext()))  # parsed on first next(): in grpc's thread pool
+    assert_invalid_argument(err)
+
+
+def test_a_bad_message_read_in_a_task_group_child_is_still_invalid_argument() -> None:
+    async def count(requests: AsyncIterator[Any], context: Any) -> int:
+        got: list[Any] = []
+
+        async def read() -> None:
+            got.extend([r async for r in requests])
+
+        async with asyncio.TaskGroup() as group:
+            group.create_task(read())
+        return len(got)
+
+    handler: Any = checked_handler(grpc.stream_unary_rpc_method_handler(count, embedding_pb2.GetPlanRequest.FromString), METHOD)
+
+    async def stream(bodies: list[bytes]) -> AsyncIterator[Any]:
+        for body in bodies:
+            yield handler.request_deserializer(body)
+
+    assert run(handler.stream_unary(stream([GOOD]), FakeContext())) == 1
     with pytest.raises(Aborted) as err:
         run(handler.stream_unary(stream([GOOD, BAD]), FakeContext()))
     assert_invalid_argument(err)
@@ -258,6 +347,8 @@ def test_health_watchers_get_not_serving_and_their_streams_end_at_shutdown() -> 
         await health.set("", serving)  # ignored once shutting down
         assert [r.status for r in context.written] == [not_serving, serving, not_serving]
         assert (await health.Check(request, context)).status == not_serving  # type: ignore[arg-type]
+        listed = await health.List(health_pb2.HealthListRequest(), context)  # type: ignore[arg-type]
+        assert {name: r.status for name, r in listed.statuses.items()} == {"": not_serving}
         with pytest.raises(Aborted) as err:
             await health.Check(health_pb2.HealthCheckRequest(service="nope"), context)  # type: ignore[arg-type]
         assert err.value.code == grpc.StatusCode.NOT_FOUND and "'nope'" in err.value.details

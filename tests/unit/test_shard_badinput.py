@@ -170,3 +170,19 @@ def test_the_lookup_client_never_sends_a_duplicate(tmp_path: Path, clock: FakeCl
         outcome = core.lookup(request, float("inf"))
         assert outcome.ids == sum(len(u) for u in units) and outcome.not_owned == 0
     core.close()
+
+
+def test_the_duplicate_check_at_its_edges() -> None:
+    """Empty entries, one id, runs that are each sorted but overlap, a repeat inside a
+    run (what np.unique per entry can never produce, a hostile caller can)."""
+    from embedding_server.shard import check_unique_ids
+
+    def arrays(*entries: list[int]) -> list[np.ndarray]:
+        return [np.asarray(e, dtype=np.int64) for e in entries]
+
+    for ok in (arrays([]), arrays([], []), arrays([7]), arrays([], [7]), arrays([1, 5], [2, 6]), arrays([9, 3, 4])):
+        check_unique_ids("item", (0, DIM), ok, list(range(len(ok))))
+    for bad, dup, times in ((arrays([], [4, 4]), 4, 2), (arrays([1, 5], [0, 5, 8]), 5, 2), (arrays([3], [3], [3]), 3, 3)):
+        with pytest.raises(InvalidArgument) as err:
+            check_unique_ids("item", (0, DIM), bad, list(range(len(bad))))
+        assert f"id {dup:,} appears {times} times" in err.value.message, err.value.message

@@ -5,6 +5,7 @@ torch is loaded), but only after serve() has closed everything and logs are flus
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any
 
 import pytest
@@ -25,6 +26,10 @@ class RecordingHandler(logging.Handler):
     def flush(self) -> None:
         self.events.append("log flushed")
 
+    def close(self) -> None:
+        self.events.append("log closed")
+        super().close()
+
 
 def config() -> ShardProcessConfig:
     return ShardProcessConfig(shard_id=0, plan_path="plan.json", data_dir="data")
@@ -38,12 +43,39 @@ def test_a_clean_stop_exits_zero_right_after_serve_returns(monkeypatch: pytest.M
 
     monkeypatch.setattr(server, "serve", fake_serve)
     handler = RecordingHandler(events)
+    only_handler(monkeypatch, handler)
     logging.getLogger().addHandler(handler)
     try:
         server.run_process(config(), exit_process=lambda code: events.append(f"exit {code}"))
     finally:
         logging.getLogger().removeHandler(handler)
-    assert events == ["serve shard 0 returned", "log flushed", "exit 0"]
+    assert events == ["serve shard 0 returned", "log flushed", "log closed", "exit 0"]
+
+
+def only_handler(monkeypatch: pytest.MonkeyPatch, handler: logging.Handler) -> None:
+    """Make ``handler`` the only one logging.shutdown sees (it walks every live handler;
+    pytest's own capture handlers stay untouched)."""
+    monkeypatch.setattr(logging, "_handlerList", [weakref.ref(handler)])
+
+
+def test_handlers_off_the_root_logger_are_flushed_before_the_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """os._exit skips logging's atexit hook, so run_process must flush every handler, not
+    only the root logger's (a file handler on ``embedding_server`` would lose its tail)."""
+    events: list[str] = []
+
+    async def fake_serve(cfg: ShardProcessConfig, stop: Any = None) -> None:
+        events.append("serve returned")
+
+    monkeypatch.setattr(server, "serve", fake_serve)
+    handler = RecordingHandler(events)
+    only_handler(monkeypatch, handler)
+    child = logging.getLogger("embedding_server.test_exit_child")
+    child.addHandler(handler)
+    try:
+        server.run_process(config(), exit_process=lambda code: events.append(f"exit {code}"))
+    finally:
+        child.removeHandler(handler)
+    assert events == ["serve returned", "log flushed", "log closed", "exit 0"]
 
 
 def test_a_failed_serve_propagates_and_does_not_exit(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -193,7 +193,8 @@ class DecodeEngine:
         def t(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(dev)
 
-        return AttnGroup(q_index=t(q_index), q_valid=t(q_valid), ctx_slots=t(ctx_slots), mask=t(mask))
+        return AttnGroup(q_index=t(q_index), q_valid=t(q_valid), out_rows=t(q_index[q_valid]), valid_flat=t(np.flatnonzero(q_valid)),
+                         ctx_slots=t(ctx_slots), mask=t(mask))
 
 
 def build(

@@ -80,13 +80,18 @@ class AttnGroup:
     """The step's prefill chunks (a few sequences), padded to ``Q`` queries and ``C`` keys.
 
     ``q_index`` [G, Q] int64: rows of the step's flat tokens (padding points at row 0);
-    ``q_valid`` [G, Q] bool; ``ctx_slots`` [G, C] int64: pool slots of each sequence's
-    keys 0..C-1, flattened to [G × C] (padding points at the pool's null slot, which is
-    never written, so no other sequence's values — not even a NaN — can leak in);
-    ``mask`` [G, Q, C] bool: key position <= query position and inside the sequence."""
+    ``q_valid`` [G, Q] bool; ``out_rows`` [V] int64 = ``q_index[q_valid]`` and
+    ``valid_flat`` [V] int64 = the flat positions of ``q_valid`` (precomputed on the
+    host: boolean indexing on the device would sync every layer); ``ctx_slots`` [G, C]
+    int64: pool slots of each sequence's keys 0..C-1, flattened to [G × C] (padding
+    points at the pool's null slot, which is never written, so no other sequence's
+    values — not even a NaN — can leak in); ``mask`` [G, Q, C] bool: key position <=
+    query position and inside the sequence."""
 
     q_index: torch.Tensor
     q_valid: torch.Tensor
+    out_rows: torch.Tensor
+    valid_flat: torch.Tensor
     ctx_slots: torch.Tensor
     mask: torch.Tensor
 
@@ -152,12 +157,14 @@ class DecoderLayer(nn.Module):
         d = step.decode
         if d is not None:
             kv = pool.index_select(0, d.key_slots)  # [K, 2, H, Dh]: one gather for K and V
-            out[d.q_rows] = attend_ragged(q[d.q_rows], kv[:, 0], kv[:, 1], d.key_seq)
+            out.index_copy_(0, d.q_rows, attend_ragged(q.index_select(0, d.q_rows), kv[:, 0], kv[:, 1], d.key_seq))
         g = step.prefill
         if g is not None:
-            kv = pool.index_select(0, g.ctx_slots).view(g.q_index.shape[0], -1, *pool.shape[1:])  # [G, C, 2, H, Dh]
-            og = attend(q[g.q_index], kv[:, :, 0], kv[:, :, 1], g.mask)
-            out[g.q_index[g.q_valid]] = og[g.q_valid]
+            n_seq, n_q = g.q_index.shape
+            kv = pool.index_select(0, g.ctx_slots).view(n_seq, -1, *pool.shape[1:])  # [G, C, 2, H, Dh]
+            qg = q.index_select(0, g.q_index.reshape(-1)).view(n_seq, n_q, *q.shape[1:])  # [G, Q, H, Dh]
+            og = attend(qg, kv[:, :, 0], kv[:, :, 1], g.mask).reshape(n_seq * n_q, *q.shape[1:])
+            out.index_copy_(0, g.out_rows, og.index_select(0, g.valid_flat))
         x = x + self.proj(out.reshape(x.shape))
         return self._mlp(x)
 
@@ -209,4 +216,4 @@ class TinyDecoder(nn.Module):
         layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
         for i, layer in enumerate(layers):
             x = layer.forward_paged(x, step, pool.kv[i])
-        return self._logits(x[step.sample_index])
+        return self._logits(x.index_select(0, step.sample_index))

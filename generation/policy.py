@@ -84,9 +84,9 @@ class PagedPolicy(Policy):
     def on_finish(self, handle: Handle, now: float) -> None:
         table = handle.policy_data
         if table is not None and handle.status is ItemStatus.FAILED:
-            # Non-finite logits: some K/V it read may be bad (a shared prefix block too).
-            # Unpublish its blocks so later sequences recompute that prefix rather than
-            # fail on a cached NaN; sequences holding them now are not touched.
+            # Non-finite logits (or a failed runner): some K/V it read may be bad, a
+            # shared prefix block too. Unpublish its blocks so later sequences recompute
+            # that prefix rather than fail on a cached NaN; current holders are not touched.
             self.pool.forget(table.blocks)
         self._release(handle)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from recserve.config import loads
-from recserve.config.spec import ClusterConfig, FeatureConfig, TableConfig
+from recserve.config.spec import FeatureConfig, TableConfig
 
 
 def tables_and_features(manifest: dict[str, Any]) -> tuple[tuple[TableConfig, ...], tuple[FeatureConfig, ...]]:
@@ -58,7 +58,3 @@ def cluster_spec_toml(manifest: dict[str, Any], models_dir: Path | str, *, num_s
 
 def _toml_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def parse_spec(text: str) -> ClusterConfig:
-    return loads(text)

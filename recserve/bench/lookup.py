@@ -78,8 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--capacity-plot", default=None, metavar="PATH", help="write a PNG of p99 vs offered rate (the knee probes) for every contender")
     p.add_argument("--grpc-experiments", default=None, help="GRPC_EXPERIMENTS for the shard processes (default: lookup.grpc_experiments)")
     p.add_argument("--near-cache-rows", type=int, default=None, help="client near-cache rows (default: the plan's hot tier, 1%% of items)")
-    p.add_argument("--window-ms", type=float, default=1.0, help="lookup window (default 1 ms)")
-    p.add_argument("--max-window-ms", type=float, default=2.0, help="adaptive window cap (default 2 ms)")
+    p.add_argument("--window-ms", type=float, default=None, help="lookup.window_ms: the idle window (default: LookupConfig's, 0 ms)")
+    p.add_argument("--max-window-ms", type=float, default=None, help="lookup.max_window_ms: the adaptive cap without close-at-dispatch (default: LookupConfig's, 2 ms)")
+    p.add_argument("--no-close-at-dispatch", action="store_true", help="lookup.close_at_dispatch = false: every window waits its timer")
     p.add_argument("--stream-requests", type=int, default=60_000, help="requests in the shared Zipf stream; a mode stops early if it runs out (default 60000)")
     p.add_argument("--prebuilt-kjts", type=int, default=30_000, help="requests whose KJT is built before timing (default 30000)")
     p.add_argument("--target-ids", type=int, default=8192, help="ids that close a window early (lookup.target_ids, default 8192)")
@@ -165,9 +166,11 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     lengths = np.diff(np.linspace(0, k, b + 1).astype(np.int64))
     n_requests = args.stream_requests
     stream = Stream(ids=PopularitySampler(popularity, order).sample(n_requests * k, rng).reshape(n_requests, k), lengths=lengths)
-    lookup_cfg = LookupConfig(window_ms=args.window_ms, max_window_ms=args.max_window_ms)
-    if args.grpc_experiments is not None:
-        lookup_cfg = dataclasses.replace(lookup_cfg, grpc_experiments=args.grpc_experiments)
+    overrides: dict[str, Any] = {"close_at_dispatch": not args.no_close_at_dispatch}
+    for key in ("window_ms", "max_window_ms", "grpc_experiments"):
+        if getattr(args, key) is not None:
+            overrides[key] = getattr(args, key)
+    lookup_cfg = dataclasses.replace(LookupConfig(), **overrides)
     env = transport_env(lookup_cfg)
 
     # Redis first: its used_memory after loading is the equal-memory budget.
@@ -219,8 +222,8 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     report["config"] = {
         "items": args.items, "dim": args.dim, "shards": args.shards, "concurrency": args.concurrency,
         "concurrency_high": args.concurrency_high, "ids_per_request": k, "bags_per_request": b, "zipf": args.zipf,
-        "seconds_per_mode": args.seconds, "row_cache_bytes_per_shard": row_cache_bytes, "window_ms": args.window_ms,
-        "max_window_ms": args.max_window_ms, "close_at_dispatch": lookup_cfg.close_at_dispatch,
+        "seconds_per_mode": args.seconds, "row_cache_bytes_per_shard": row_cache_bytes, "window_ms": lookup_cfg.window_ms,
+        "max_window_ms": lookup_cfg.max_window_ms, "close_at_dispatch": lookup_cfg.close_at_dispatch,
         "grpc_experiments": lookup_cfg.grpc_experiments, "hot_rows": int(t.hot_ids.size), "warm_rows": int(t.warm_ids.size),
         "cold_rows": t.num_cold, "column_splits": t.column_splits, "knee_seconds": args.knee_seconds, "knee_slo_ms": args.knee_slo_ms,
         "tiered_fraction": args.tiered_fraction,

@@ -33,7 +33,7 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--catalog", type=Path, default=None, help="catalog directory (default: a small one generated in memory)")
     p.add_argument("--epochs", type=int, default=None, help="rankers: DLRM / L3 passes over the train split (default 1)")
     p.add_argument("--shards", type=int, default=2, help="rankers: num_shards of the written cluster spec (default 2)")
-    p.add_argument("--threads", type=int, default=0, help="rankers: torch threads (default 0 = torch's default; 1 is faster on a busy 2-core box)")
+    p.add_argument("--threads", type=int, default=1, help="rankers: torch threads (default 1: two spin against other processes on a busy 2-core box, 7x slower here; 0 = torch's default)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default 400: a few minutes on 2 CPU cores)")
     p.add_argument("--batch", type=int, default=None, help="windows per step (default 16)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 96)")
@@ -48,13 +48,14 @@ def run_rankers(args: argparse.Namespace) -> int:
     """The ranker path: train, evaluate, export, print the metrics table."""
     import dataclasses
 
+    from recserve.errors import ConfigError
+
+    if args.catalog is None:  # before torch loads: a usage error should be instant
+        raise ConfigError("recserve train needs --catalog DIR (create one with `recserve catalog generate --out DIR`), or --lm for the decode LM")
     from ranker.config import TrainConfig
     from ranker.evaluate import format_metrics
     from ranker.pipeline import train_and_export
-    from recserve.errors import ConfigError
 
-    if args.catalog is None:
-        raise ConfigError("recserve train needs --catalog DIR (create one with `recserve catalog generate --out DIR`), or --lm for the decode LM")
     config = TrainConfig(seed=args.seed, device=args.device, progress=not args.no_progress, threads=args.threads)
     if args.epochs is not None:
         config = dataclasses.replace(config, epochs=args.epochs)

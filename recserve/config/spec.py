@@ -160,10 +160,14 @@ class LookupConfig:
     the next window collects every caller that arrives meanwhile and closes at
     dispatch, when that window is done — no timer; only an idle client waits the small
     fixed ``window_ms``. Off: every window waits its adaptive timer
-    ``min(max_window_ms, target_ids / rate)``, the rule before it existed.
+    ``min(max_window_ms, target_ids / rate)``, the rule before it existed. The idle
+    timer defaults to 0: an idle request would wait for company it rarely gets, a burst
+    arriving together is collected anyway (a window closes only after every caller
+    already runnable on the event loop has queued), and asyncio cannot sleep less than
+    about 1 ms (epoll's timeout is in whole milliseconds), so any timer costs >= 1 ms.
     """
 
-    window_ms: float = 1.0
+    window_ms: float = 0.0
     max_window_ms: float = 2.0
     target_ids: int = 8192
     max_inflight_batches: int = 4

@@ -42,9 +42,15 @@ def test_bench_decode_reports_every_key_and_draws_the_plot(tmp_path: Path) -> No
     doc = json.loads(out.stdout)
     assert KEYS <= set(doc)
     assert doc["outputs_match_recompute"] is True
+    assert doc["recompute_check_preemptions"] > 0  # the exactness sample really went through preemption
     assert doc["max_concurrent_contiguous"] == 2  # the pool holds 2 contiguous reservations
     assert doc["max_concurrent_paged"] >= 2 * doc["max_concurrent_contiguous"]
     assert doc["prefix_blocks_saved"] > 0  # the shared system prompt
     assert doc["tokens_per_s_static"] > 0 and doc["speedup"] == pytest.approx(doc["tokens_per_s_continuous"] / doc["tokens_per_s_static"])
+    # Both static baselines are reported under their own names; the headline is the padded one.
+    assert doc["tokens_per_s_static_padded"] == doc["tokens_per_s_static"] and doc["speedup_vs_static_padded"] == doc["speedup"]
+    assert doc["speedup_vs_static_skip_finished"] == pytest.approx(doc["tokens_per_s_continuous"] / doc["tokens_per_s_static_skip_finished"])
+    assert doc["steps_static_skip_finished"] == doc["steps_static"]  # same membership: only the rows computed differ
+    assert doc["tokens_per_s_continuous_no_prefix_sharing"] > 0
     assert [p["fraction_of_saturation"] for p in doc["sweep"]] == [0.5, 1.0]
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

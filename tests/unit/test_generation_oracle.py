@@ -2,11 +2,14 @@
 gives exactly the tokens of naive full recompute (no KV cache, one sequence at a time,
 the same weights), in float64 so near-ties cannot flake. Covers mixed lengths, forced
 preemption, shared prefixes (with copy-on-write), chunked and unchunked prefill and
-cancellation in the middle of a batch; plus one sequence failing on a NaN while the
-others finish, and expiry freeing blocks at the next step. Fake clock, tiny model."""
+cancellation in the middle of a batch, and seeded random mixes of all of these with
+deadlines and priorities; plus one sequence failing on a NaN while the others finish
+(the NaN reaches neither padded neighbours nor later requests through the prefix cache),
+and expiry freeing blocks at the next step. Fake clock, tiny model."""
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 import numpy as np
@@ -248,3 +251,46 @@ def test_a_failed_sequence_s_cached_prefix_is_not_handed_to_later_requests() -> 
     assert h.policy.prefix_hit_blocks == 0  # it recomputed the system prompt
     h.assert_matches_oracle(["next"])
     assert h.policy.pool.cached_count == 2 and h.policy.pool.used_count == 0  # next's own blocks are cached now
+
+
+@pytest.mark.parametrize("seed", [2, 3, 4, 14])
+def test_random_mixes_of_sharing_preemption_cancels_and_deadlines_match_full_recompute(seed: int) -> None:
+    # Everything at once on a small pool: two tenants sharing two system prompts,
+    # staggered arrivals of three priority classes, cancels (queued, resident and in
+    # flight) and deadlines. The harness checks the books and the plan at every step.
+    rng = np.random.default_rng(seed)
+    bt = int(rng.choice([2, 4]))
+    chunk = [None, 3, 5][seed % 3]
+    h = DecodeHarness(tiny_config(num_blocks=int(rng.integers(12, 24)), block_tokens=bt, max_seqs=6, token_budget=12, chunk=chunk))
+    systems = [random_prompt(rng, 2 * bt + 1), random_prompt(rng, 3 * bt)]
+    arrivals = np.sort(rng.integers(0, 20, size=12))
+    cancelled: set[str] = set()
+    expiring: set[str] = set()
+    k = 0
+    while k < len(arrivals) or not h.sched.idle:
+        assert h.now < 20.0, "the engine did not drain"
+        while k < len(arrivals) and arrivals[k] * 0.01 <= h.now + 1e-9:
+            rid = f"r{k}"
+            prompt = np.concatenate([systems[k % 2], random_prompt(rng, int(rng.integers(0, 5)))])  # 0: fully cached, CoW
+            deadline = h.now + 0.06 if k % 5 == 4 else math.inf
+            h.add(rid, GenerationRequest(prompt, max_new_tokens=int(rng.integers(2, 14))), tenant=("a", "b")[k % 3 == 0],
+                  priority=Priority(k % 3), deadline=deadline)
+            expiring |= {rid} if deadline < math.inf else set()
+            k += 1
+        if k % 4 == 3 and rng.random() < 0.1:  # a queued or resident one
+            target = h.handles[f"r{int(rng.integers(0, k))}"]
+            cancelled |= {target.request_id} if h.sched.cancel(target, h.now) else set()
+        batch = h.sched.schedule(h.now)
+        if batch is not None:
+            if rng.random() < 0.05:  # one in flight
+                target = batch.handles[int(rng.integers(0, len(batch)))]
+                cancelled |= {target.request_id} if h.sched.cancel(target, h.now) else set()
+            h.sched.complete(batch, h.engine.run_batch(batch), h.now + 0.01)
+        h.now += 0.01
+        h.check_blocks()
+    assert cancelled <= set(h.rec.errors) <= cancelled | expiring
+    assert all(type(h.rec.errors[r]).__name__ == "DeadlineExceeded" for r in set(h.rec.errors) - cancelled)
+    assert len(h.rec.done) >= 6
+    h.assert_matches_oracle()
+    assert h.policy.preemptions > 0 and h.policy.prefix_hit_blocks > 0  # the mix exercised both
+    assert h.policy.pool.used_count == 0

@@ -116,6 +116,30 @@ def test_dlrm_and_l3_batch_on_cuda_matches_cpu() -> None:
         gpu_l = l3.to(cuda)(jagged_tensors(l3_jag, cuda), dense.to(cuda)).cpu()
     torch.testing.assert_close(gpu_d, cpu_d, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(gpu_l, cpu_l, rtol=1e-4, atol=1e-4)
+    # The device check to report (printed, not asserted: speed belongs in benchmarks):
+    # host-to-device copies of one scoring batch from numpy features, and the dense
+    # forward time on pooled blocks at B = 4,096.
+    from torch.profiler import ProfilerActivity, profile
+
+    from ranker.scoring import dlrm_logits
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        dlrm_logits(dlrm, arrays, users, items)
+        torch.cuda.synchronize()
+    copies = sum(e.count for e in prof.key_averages() if "HtoD" in e.key)
+    pooled = {k: v.to(cuda) for k, v in dlrm.dlrm.sparse_arch.embedding_bag_collection(kjt.to(cuda)).to_dict().items()}
+    dense_cuda = dense.to(cuda)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.no_grad():
+        for _ in range(3):  # warm-up: kernels load and cache on first use
+            dlrm.score_pooled(dense_cuda, pooled)
+        start.record()
+        for _ in range(20):
+            dlrm.score_pooled(dense_cuda, pooled)
+        end.record()
+        torch.cuda.synchronize()
+    print(f"GPU check: {copies} host-to-device copies per scoring batch; DLRM dense forward at B=4096: {start.elapsed_time(end) / 20:.3f} ms")
+    assert copies >= 1  # the batch did reach the device
 
 
 def test_row_sparse_adam_matches_torch_sparse_adam() -> None:

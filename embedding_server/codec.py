@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from recserve.errors import InternalError
+
 MAGIC = 0x52
 DTYPE_FLOAT32 = 1
 HEADER_DTYPE = np.dtype(
@@ -57,7 +59,8 @@ def encode_values(rows: np.ndarray, *, dim: int, col_start: int, col_end: int) -
     """fp32 rows [N, col_end - col_start] -> N values (header + row bytes)."""
     width = col_end - col_start
     if rows.ndim != 2 or rows.shape[1] != width:
-        raise ValueError(f"rows shape {rows.shape} does not match slice {col_start}..{col_end} (width {width})")
+        # Callers validate shapes at the edge; a mismatch here is a bug of ours, not bad input.
+        raise InternalError(f"rows shape {rows.shape} does not match slice {col_start}..{col_end} (width {width})")
     n = rows.shape[0]
     header = np.zeros(1, dtype=HEADER_DTYPE)
     header["magic"], header["dtype"], header["dim"] = MAGIC, DTYPE_FLOAT32, dim

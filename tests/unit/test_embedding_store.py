@@ -158,3 +158,13 @@ def test_open_source_forms_and_fingerprint(tmp_path: Path) -> None:
     assert open_source(tmp_path / "dir", ["item"])[1] == open_source(tmp_path / "dir", ["item"])[1]
     with pytest.raises(ConfigError, match="do not exist"):
         open_source(tmp_path / "dir", ["user"])
+
+
+def test_encoding_rows_of_the_wrong_width_is_an_internal_recserve_error() -> None:
+    import numpy as np
+
+    from embedding_server.codec import encode_values
+    from recserve.errors import InternalError
+
+    with pytest.raises(InternalError, match=r"rows shape \(2, 3\) does not match slice 0..4 \(width 4\)"):
+        encode_values(np.zeros((2, 3), dtype=np.float32), dim=4, col_start=0, col_end=4)

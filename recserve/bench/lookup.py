@@ -247,15 +247,16 @@ def _tiered(
     args: argparse.Namespace, table: Any, feature: Any, popularity: np.ndarray, stream: Any, workdir: Path, lookup_cfg: Any,
     env: dict[str, str], block_cache: int,
 ) -> dict[str, Any]:
-    """The bigger-than-RAM case: DRAM tiers (hot, then warm up to half of it) plus row
-    cache at ``--tiered-fraction`` of the table, the rest in RocksDB with direct reads."""
+    """The bigger-than-RAM case: DRAM tiers plus row cache at ``--tiered-fraction`` of
+    the table, filled by the budget planner (hot, then warm by popularity, then the row
+    cache), the rest in RocksDB with direct reads."""
     from embedding_server.store import DIRECT_READS_ENV
     from recserve.bench import lookup_capacity as cap
     from recserve.cluster.shards import ShardCluster
     from recserve.config.spec import ShardServerConfig
 
     per_shard = int(args.tiered_fraction * args.items * args.dim * 4 / args.shards)
-    result = cap.plan_for_budget(table, popularity, args.shards, per_shard, warm_fraction=args.tiered_fraction / 2, seed=args.seed)
+    result = cap.plan_for_budget(table, popularity, args.shards, per_shard, warm_fraction=min(0.99, args.tiered_fraction), seed=args.seed)
     tdir = workdir / "tiered"
     tdir.mkdir(exist_ok=True)
     result.plan.save(tdir / "plan.json")

@@ -15,8 +15,9 @@ window in flight, or one finished less than a window ago (closed-loop callers re
 right after their window) — the next window collects every caller that arrives while
 the previous window's RPCs are in flight and closes at dispatch, the moment that window
 is done and the slot is free: no timer. It still closes early at ``max_cost`` ids, at
-the tightest caller's slack point, or if the window in flight takes longer than a
-measured window time (a stuck shard must not hold the queue). An RPC costs hundreds of
+the tightest caller's slack point, after waiting ``max_window_ms``, or once the window
+in flight has taken twice its measured time (a slow window must not hold the queue:
+the next one then runs beside it). An RPC costs hundreds of
 µs whatever its size, so few large windows win: splitting a closed loop's callers into
 two alternating windows costs 10-25% of throughput.
 """
@@ -96,10 +97,12 @@ class FeatureParallelPolicy(WindowPolicy):
         slack_end = view.earliest_deadline() - view.estimate_service_s(queued_cost) - self.dispatch_margin_s
         if view.inflight_batches:
             # Busy: collect until the window in flight is done (its completion wakes the
-            # loop), or slack runs out, or the latest window overruns twice its measured
-            # time (a stuck window must not hold the queue for long).
-            overrun = max(opened + self._window_s, self._started_at + 2.0 * view.estimate_service_s(self._started_cost))
-            return min(overrun, slack_end)
+            # loop), but not longer than max_window_ms (a slow window must not hold the
+            # queue behind it: the next one then runs beside it) nor past twice the
+            # latest window's measured time, nor past the slack point.
+            expected_end = self._started_at + 2.0 * view.estimate_service_s(self._started_cost)
+            wait_end = max(opened + self._window_s, min(opened + self._max_window_s, expected_end))
+            return min(wait_end, slack_end)
         if opened - self._busy_at <= self._window_s:
             return now  # the slot just freed: close at dispatch
         return min(opened + self._window_s, slack_end)  # idle: the small fixed timer

@@ -113,9 +113,13 @@ class Breakers:
         closed = self._failures < self.threshold
         return closed | (half_open & probe_free)
 
-    def reopens_at(self) -> np.ndarray:
-        """float [N]: when each open breaker half-opens (<= now for the others)."""
-        return self._open_until.copy()
+    def available_at(self, now: float) -> np.ndarray:
+        """float [N]: the latest time each destination becomes :meth:`available`:
+        ``now`` if it is, the end of the open period if open, the expiry of its latest
+        probe permit if half-open with every permit out (an answer may come sooner)."""
+        out = np.where(self.available(now), now, np.maximum(self._open_until, now))
+        half_full = (self._failures >= self.threshold) & (self._open_until <= now) & ~self.available(now)
+        return np.where(half_full, self._probe_at + self.open_s, out)
 
     # ---- transitions --------------------------------------------------------------
 

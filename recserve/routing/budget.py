@@ -23,15 +23,11 @@ from __future__ import annotations
 import grpc
 
 from recserve.errors import require
-from recserve.rpc.status import RETRYABLE_CODES
+# The one retryable-status rule lives with the status mapping; re-exported here so
+# routing callers need one import.
+from recserve.rpc.status import RETRYABLE_CODES, is_retryable
 
 __all__ = ["RETRYABLE_CODES", "HedgeBudget", "RetryBudget", "is_retryable"]
-
-
-def is_retryable(code: grpc.StatusCode | None) -> bool:
-    """Whether a call that ended with ``code`` may be retried or hedged elsewhere
-    (None, a call that never got a status, is not: nothing says another try helps)."""
-    return code in RETRYABLE_CODES
 
 
 class RetryBudget:

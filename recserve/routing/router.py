@@ -161,16 +161,14 @@ class Router:
 
     def _unavailable(self, now: float) -> Unavailable:
         states = self.breakers.states(now)
-        reopen = self.breakers.reopens_at()
+        at = self.breakers.available_at(now)
         parts = []
-        for i, name in enumerate(self.replicas):  # error path only, R names for the message
+        for i, name in enumerate(self.replicas):  # error path only: R names for the message
             if states[i] == BreakerState.OPEN:
-                parts.append(f"{name} open for {(reopen[i] - now) * 1e3:.0f} ms")
+                parts.append(f"{name} open for {(at[i] - now) * 1e3:.0f} ms")
             else:
-                parts.append(f"{name} {BreakerState(int(states[i])).name.lower()} with its probe out")
-        waiting = reopen[states == BreakerState.OPEN]
-        # Half-open with its probe out: the probe's answer may come any moment.
-        retry_after = float(max(0.0, waiting.min() - now)) if waiting.size == len(self.replicas) else 0.0
+                parts.append(f"{name} {BreakerState(int(states[i])).name.lower()} with its probes out")
+        retry_after = float(max(0.0, at.min() - now))
         return Unavailable(f"no replica of {len(self.replicas)} can take the call: " + ", ".join(parts), retry_after_s=retry_after)
 
     # ---- results ------------------------------------------------------------------

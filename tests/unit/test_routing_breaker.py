@@ -44,9 +44,11 @@ def test_half_open_lets_a_limited_number_of_probes_through() -> None:
     br = Breakers(2, failures=1, open_s=1.0, half_open_probes=2)
     br.on_failure(0, 0.0)
     assert not br.acquire(0, 0.5)  # open: refused
+    np.testing.assert_array_equal(br.available_at(0.5), [1.0, 0.5])
     assert br.acquire(0, 1.0) and br.acquire(0, 1.0)
     assert not br.acquire(0, 1.0)  # both probes out
     np.testing.assert_array_equal(br.available(1.0), [False, True])
+    np.testing.assert_array_equal(br.available_at(1.0), [2.0, 1.0])  # permits expire at 2.0
     # The lookup client's view ignores probe counting: the open period is over.
     np.testing.assert_array_equal(br.live(1.0), [True, True])
     # A probe permit with no result for open_s is presumed lost and given back.

@@ -122,16 +122,23 @@ def source_model_version(path: str | Path) -> str:
 
 
 def table_model_versions(store: RowStore) -> dict[str, str]:
-    """table -> ``model_version`` of its newest recorded *load* ('' = an unversioned
-    source). Records without a version field (migrations) keep the loaded version."""
+    """table -> ``model_version`` of its newest recorded load or migration ('' = an
+    unversioned source). A load records one ``model_version`` for its tables; a
+    migration records per table (``model_versions``) what its old owners held, so a store
+    filled only by ``recserve shard migrate`` reports the version its rows came from.
+    Records with neither field (older migrations) keep the previously loaded version."""
     newest: dict[str, tuple[float, str]] = {}
     for record in read_manifest(store).values():
-        if "model_version" not in record:
-            continue
         when = float(record.get("finished_unix_s", 0.0))
-        for table in record.get("rows", {}):
+        if isinstance(record.get("model_versions"), dict):
+            versions = {str(t): str(v) for t, v in record["model_versions"].items()}
+        elif "model_version" in record:
+            versions = {str(t): str(record["model_version"]) for t in record.get("rows", {})}
+        else:
+            continue
+        for table, version in versions.items():
             if table not in newest or when >= newest[table][0]:
-                newest[table] = (when, str(record["model_version"]))
+                newest[table] = (when, version)
     return {t: v for t, (_, v) in newest.items()}
 
 

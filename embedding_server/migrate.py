@@ -39,6 +39,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from embedding_server.bulk_load import table_model_versions
 from embedding_server.codec import encode_keys, encode_values
 from embedding_server.layout import TableLayout, layouts_from_plan
 from embedding_server.manifest import StoreState, check_no_upserts_lost, key_plan_shard, manifest_key, record_load, store_state
@@ -157,6 +158,7 @@ def migrate(
             check_no_upserts_lost(store, keys[j], shard_id=j, action="migrate", rerun_ok=True)
     states = [store_state(s) for s in old_stores]
     check_old_stores(old_plan, old_stores, states)
+    versions = carried_model_versions(new_plan, old_stores)
     carried = sum(s.pending_upserts for s in states)
     carried_rows = sum(s.new_rows + s.carried_rows for s in states)
     old_layouts = [layouts_from_plan(old_plan, i) for i in range(old_plan.num_shards)]
@@ -177,7 +179,10 @@ def migrate(
                 bar.update(hi - lo)
     for j, store in enumerate(new_stores):
         store.flush()  # WAL-less rows reach SST files before the migration is recorded
-        record = {"kind": "migrate", "from_plan_version": old_plan.version, "rows": written[j], "method": "batch", "wal": False}
+        record = {
+            "kind": "migrate", "from_plan_version": old_plan.version, "rows": written[j], "method": "batch", "wal": False,
+            "model_versions": versions,
+        }
         record_load(store, keys[j], record, carried_upserts=carried, carried_rows=carried_rows)
     report = MigrationReport(
         from_version=old_plan.version,
@@ -191,6 +196,24 @@ def migrate(
     )
     log.info("migrated plan v%d -> v%d in %.2f s: %d rows written", old_plan.version, new_plan.version, report.seconds, sum(sum(r.values()) for r in written.values()))
     return report
+
+
+def carried_model_versions(new_plan: ShardingPlan, old_stores: Sequence[RowStore]) -> dict[str, str]:
+    """table -> the ``model_version`` its old owners were loaded from, for the new stores'
+    migration record (the ranker refuses tables whose version differs from its weights,
+    so a migrated shard must keep reporting it). Old owners that disagree hold rows of
+    different exports: mixing them would serve a table no model was trained with."""
+    per_store = [table_model_versions(store) for store in old_stores]
+    out: dict[str, str] = {}
+    for name in sorted(new_plan.tables):
+        seen = sorted({v[name] for v in per_store if v.get(name)})
+        if len(seen) > 1:
+            raise ConfigError(
+                f"table {name!r}: the old shards were loaded from different exports {seen}; "
+                "reload them from one export before migrating"
+            )
+        out[name] = seen[0] if seen else ""
+    return out
 
 
 def _write_owned(store: RowStore, layout: TableLayout, rows: np.ndarray, held: np.ndarray, lo: int, hi: int) -> int:

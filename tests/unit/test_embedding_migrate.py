@@ -225,3 +225,28 @@ def test_migration_rejects_incompatible_plans(tmp_path: Path) -> None:
     finally:
         for store in stores:
             store.close()
+
+
+def test_migrated_stores_keep_the_model_version_their_rows_were_loaded_from(tmp_path: Path) -> None:
+    """The ranker refuses shard tables whose model_version differs from its weights, so a
+    store filled only by a migration must report the export its rows came from."""
+    from embedding_server.bulk_load import table_model_versions
+
+    old, src = make_plan(), source()
+    new, _ = replan_add_shard(old)
+    olds = open_stores(tmp_path / "old", old.num_shards)
+    for k, store in enumerate(olds):
+        bulk_load(store, layouts_from_plan(old, k), {"item": src}, source_id="s", plan_version=1, shard_id=k,
+                  progress=False, model_version="m-abc")
+    news = open_stores(tmp_path / "new", new.num_shards)
+    try:
+        migrate(old, new, olds, news, progress=False)
+        assert [table_model_versions(s) for s in news] == [{"item": "m-abc"}] * new.num_shards
+        # Old shards loaded from two different exports: refused, naming both.
+        bulk_load(olds[1], layouts_from_plan(old, 1), {"item": src}, source_id="s2", plan_version=1, shard_id=1,
+                  progress=False, model_version="m-def")
+        with pytest.raises(ConfigError, match=r"table 'item': the old shards were loaded from different exports \['m-abc', 'm-def'\]"):
+            migrate(old, new, olds, news, overwrite=True, progress=False)
+    finally:
+        for store in olds + news:
+            store.close()

@@ -36,6 +36,7 @@ class ShardProcessConfig:
     host: str = "127.0.0.1"
     port: int = 0
     port_file: str | None = None
+    unix_socket: str | None = None  # also listen on this Unix domain socket (co-located clients)
     server: ShardServerConfig = ShardServerConfig()
     tier_dtype: str = "plan"
     default_value: float = 0.0

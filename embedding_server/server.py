@@ -138,6 +138,14 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
     except RuntimeError:  # grpc's "Failed to bind": a clear error, not a traceback
         executor.shutdown(wait=False)
         raise Unavailable(f"shard {config.shard_id}: cannot listen on {config.host}:{config.port} (port in use or address not local); pick another --port") from None
+    if config.unix_socket:
+        # A second listener for clients on this host: a unix: channel skips the TCP
+        # stack (about 10% on loopback lookups). The TCP port stays for everyone else.
+        try:
+            server.add_insecure_port(f"unix:{config.unix_socket}")
+        except RuntimeError:
+            executor.shutdown(wait=False)
+            raise Unavailable(f"shard {config.shard_id}: cannot listen on unix:{config.unix_socket}; pick another --unix-socket path") from None
     await server.start()
     if config.port_file:
         _write_port_file(config.port_file, port)

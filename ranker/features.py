@@ -33,6 +33,7 @@ DENSE_FEATURES: tuple[str, ...] = (
     "user_ctr_logit",
     "history_log_length",
     "category_ctr_logit",
+    "history_category_log_share",  # log share of the user's history in the candidate's category
 )
 NUM_DENSE = len(DENSE_FEATURES)
 # Pseudo-impressions at the global CTR that smooth every CTR estimate.
@@ -142,10 +143,25 @@ def dense_features(arrays: ServingArrays, users: np.ndarray, items: np.ndarray, 
             _ctr_logit(user_c[:, 0], user_c[:, 1], p0),
             np.log1p(hist_len) / LOG_SCALE,
             _ctr_logit(cat_c[:, 0], cat_c[:, 1], p0),
+            history_category_log_share(arrays, users, items),
         ],
         axis=1,
     )
     return out.astype(np.float32)
+
+
+def history_category_log_share(arrays: ServingArrays, users: np.ndarray, items: np.ndarray) -> np.ndarray:
+    """``[B]`` float64 ``log((same + 0.1) / (len + 1)) / LOG_SCALE``: ``same`` of the
+    user's ``len`` history items share the candidate's category.
+
+    The histories pick items ∝ exp(affinity), so the log share of a category is (up to
+    its size) the user's affinity to it: a full-rank category signal that 16-wide
+    pooled category rows can only approximate.
+    """
+    values, lengths = gather_jagged(arrays.user_history, users)
+    same = np.take(arrays.item_category, values) == np.repeat(np.take(arrays.item_category, items), lengths)
+    count = np.bincount(np.repeat(np.arange(len(users)), lengths), weights=same, minlength=len(users))
+    return np.log((count + 0.1) / (lengths + 1.0)) / LOG_SCALE
 
 
 def item_dense_features(arrays: ServingArrays, items: np.ndarray) -> np.ndarray:
@@ -200,6 +216,9 @@ class Source(enum.Enum):
     CANDIDATE_TAGS = "candidate_tags"
     HISTORY_ITEMS = "history_items"
     HISTORY_CATEGORIES = "history_categories"
+    # One id per history item: ``category(history item) · C + category(candidate)``, a
+    # crossed (history category, candidate category) id in ``[0, C²)``.
+    CATEGORY_CROSS = "category_cross"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +277,12 @@ def sparse_features(arrays: ServingArrays, features: tuple[SparseFeature, ...], 
             v, n = gather_jagged(arrays.item_tags, items)
         elif f.source is Source.HISTORY_ITEMS:
             v, n = gather_jagged(arrays.user_history, users, f.last)
-        else:
+        elif f.source is Source.HISTORY_CATEGORIES:
             hv, n = gather_jagged(arrays.user_history, users, f.last)
             v = np.take(arrays.item_category, hv)
+        else:
+            hv, n = gather_jagged(arrays.user_history, users, f.last)
+            v = np.take(arrays.item_category, hv) * arrays.num_categories + np.repeat(np.take(arrays.item_category, items), n)
         values.append(v)
         lengths.append(n)
     return JaggedBatch(tuple(f.name for f in features), np.concatenate(values).astype(np.int64), np.concatenate(lengths).astype(np.int64), b)

@@ -49,13 +49,14 @@ class TwoTower(nn.Module):
         super().__init__()
         self.config = config
         self.table_rows = dict(table_rows)
-        e = config.embedding_dim
-        self.tables = nn.ParameterDict({t: nn.Parameter(torch.empty(int(table_rows[t]), e)) for t in ("tt_item", "tt_category", "tt_tag")})
+        e, c = config.embedding_dim, config.category_width
+        widths = {"tt_item": e, "tt_category": c, "tt_tag": e}
+        self.tables = nn.ParameterDict({t: nn.Parameter(torch.empty(int(table_rows[t]), w)) for t, w in widths.items()})
         with torch.no_grad():
             for w in self.tables.values():
                 w.normal_(0.0, INIT_STD, generator=generator)
-        self.user_mlp = _mlp(2 * e + USER_DENSE, config.hidden, config.out_dim)
-        self.item_mlp = _mlp(3 * e + ITEM_DENSE, config.hidden, config.out_dim)
+        self.user_mlp = _mlp(e + c + USER_DENSE, config.hidden, config.out_dim)
+        self.item_mlp = _mlp(2 * e + c + ITEM_DENSE, config.hidden, config.out_dim)
 
     def user_from_pooled(self, pooled: Mapping[str, torch.Tensor], user_dense: torch.Tensor) -> torch.Tensor:
         """``[B, out_dim]`` user vectors from pooled ``[B, E]`` blocks of

@@ -76,6 +76,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unloaded-rate", type=float, default=25.0, help="open-loop rate of the unloaded-latency run (default 25 req/s)")
     p.add_argument("--unloaded-seconds", type=float, default=4.0, help="seconds of the unloaded-latency run (default 4)")
     p.add_argument("--capacity-plot", default=None, metavar="PATH", help="write a PNG of p99 vs offered rate (the knee probes) for every contender")
+    p.add_argument("--tcp", action="store_true", help="clients reach the shards over loopback TCP, not their Unix domain sockets")
     p.add_argument("--grpc-experiments", default=None, help="GRPC_EXPERIMENTS for the shard processes (default: lookup.grpc_experiments)")
     p.add_argument("--near-cache-rows", type=int, default=None, help="client near-cache rows (default: the plan's hot tier, 1%% of items)")
     p.add_argument("--window-ms", type=float, default=None, help="lookup.window_ms: the idle window (default: LookupConfig's, 0 ms)")
@@ -201,7 +202,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
         server = ShardServerConfig(threads=1, row_cache_bytes=row_cache_bytes, block_cache_bytes=block_cache)
         t0 = time.perf_counter()
-        with ShardCluster(workdir / "plan.json", workdir / "data", load_from=workdir, server=server, env=env) as cluster:
+        with ShardCluster(workdir / "plan.json", workdir / "data", load_from=workdir, server=server, env=env, unix_sockets=not args.tcp) as cluster:
             _log(f"shards SERVING after {time.perf_counter() - t0:.1f} s")
             report.update(asyncio.run(_network_modes(args, plan, table, feature, weights, stream, cluster, lookup_cfg, near_rows, redis_proc)))
             rss = [cap.rss_bytes(cluster.pid(s)) for s in range(args.shards)]
@@ -226,7 +227,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "max_window_ms": lookup_cfg.max_window_ms, "close_at_dispatch": lookup_cfg.close_at_dispatch,
         "grpc_experiments": lookup_cfg.grpc_experiments, "hot_rows": int(t.hot_ids.size), "warm_rows": int(t.warm_ids.size),
         "cold_rows": t.num_cold, "column_splits": t.column_splits, "knee_seconds": args.knee_seconds, "knee_slo_ms": args.knee_slo_ms,
-        "tiered_fraction": args.tiered_fraction,
+        "tiered_fraction": args.tiered_fraction, "unix_sockets": not args.tcp,
     }  # fmt: skip
     if args.sweep_rates is not None:
         report["config"].update(sweep_seconds=args.sweep_seconds, sweep_timeout_ms=args.sweep_timeout_ms, slo_ms=args.slo_ms)
@@ -263,7 +264,7 @@ def _tiered(
     row_cache = int(result.row_cache_bytes.min())
     server = ShardServerConfig(threads=1, row_cache_bytes=row_cache, block_cache_bytes=block_cache)
     _log(f"tiered run: {result.tier_rows()[0]['cold_ids']:,} of {args.items:,} ids in RocksDB (direct reads), row cache {row_cache:,} B/shard")
-    with ShardCluster(tdir / "plan.json", tdir / "data", load_from=workdir, server=server, env={**env, DIRECT_READS_ENV: "1"}) as cluster:
+    with ShardCluster(tdir / "plan.json", tdir / "data", load_from=workdir, server=server, env={**env, DIRECT_READS_ENV: "1"}, unix_sockets=not args.tcp) as cluster:
         rows = asyncio.run(_tiered_client(args, result.plan, table, feature, stream, cluster, lookup_cfg))
     return {"tiered_rows_per_s": rows, "tiered": {"tiers": result.tier_rows(), "row_cache_bytes_per_shard": row_cache, "dram_bytes_per_shard": result.bytes_per_shard["dram"].tolist()}}
 
@@ -289,7 +290,7 @@ def _make_client(args: argparse.Namespace, plan: Any, table: Any, feature: Any, 
     from recserve.lookup.config import LookupClientConfig
 
     lookup = dataclasses.replace(lookup_cfg, target_ids=args.target_ids, max_inflight_batches=args.max_inflight, near_cache_rows=near_rows)
-    return LookupClient.connect(LookupClientConfig(tables=(table,), features=(feature,), lookup=lookup), plan, cluster.addresses)
+    return LookupClient.connect(LookupClientConfig(tables=(table,), features=(feature,), lookup=lookup), plan, cluster.client_addresses)
 
 
 async def _network_modes(
@@ -365,7 +366,7 @@ async def _network_modes(
             report["rows_per_s_c_high"]["feature_parallel"] = res.rows_per_s(k)
 
         _log("naive: one RPC per request per shard")
-        naive_transport = GrpcShardTransport(cluster.addresses)
+        naive_transport = GrpcShardTransport(cluster.client_addresses)
         naive = naive_handler(naive_transport, plan, stream, table.dim)
         redis: dict[str, Any] = {}
         try:
@@ -406,7 +407,7 @@ async def _network_modes(
             rates = ", ".join(f"{r:g}" for r in args.sweep_rates)
             _log(f"open-loop sweep at {rates} requests/s, {args.sweep_seconds:g} s per point and mode")
             report["sweep"] = await client_vs_naive_sweep(
-                client, kjts, plan, stream, cluster.addresses, args.sweep_rates,
+                client, kjts, plan, stream, cluster.client_addresses, args.sweep_rates,
                 seconds=args.sweep_seconds, timeout_s=args.sweep_timeout_ms / 1000.0, slo_ms=args.slo_ms, seed=args.seed + 2,
             )  # fmt: skip
         report["reference"] = await _reference(client, weights)

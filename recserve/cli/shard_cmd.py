@@ -46,6 +46,7 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=0, help="TCP port (0 = pick a free one; see --port-file)")
     serve.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    serve.add_argument("--unix-socket", default=None, help="also listen on this Unix domain socket path (clients on this host: unix:PATH)")
     serve.add_argument("--load-from", default=None, help="bulk-load this source first if not loaded yet (dir of <table>.npy, .npz, .npy)")
     serve.add_argument("--overwrite", action="store_true", help="let --load-from overwrite upserts acknowledged since the last load (they are lost)")
     serve.add_argument("--row-cache-bytes", type=_int_bytes, default=None, help="cold-row LRU cache bound (default 64M)")
@@ -149,6 +150,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         port_file=args.port_file,
+        unix_socket=args.unix_socket,
         server=_server_config(args),
         tier_dtype=args.tier_dtype,
         default_value=args.default_value,

@@ -68,6 +68,7 @@ class ShardCluster:
         admin_token: str = "",
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
+        unix_sockets: bool = False,
         start_timeout_s: float = 60.0,
         python: str = sys.executable,
     ) -> None:
@@ -87,6 +88,9 @@ class ShardCluster:
         # Process-start settings for every shard (e.g. GRPC_EXPERIMENTS, MALLOC_*: gRPC and
         # glibc read them only when the process starts), on top of this process's env.
         self.extra_env = dict(env or {})
+        # Every shard also listens on data_root/shard-K.sock; client_addresses hands
+        # out unix: addresses (same host, no TCP stack), addresses stay TCP.
+        self.unix_sockets = unix_sockets
         self.start_timeout_s = start_timeout_s
         self.python = python
         self._procs: dict[int, _Proc] = {}
@@ -144,6 +148,17 @@ class ShardCluster:
     def address(self, k: int) -> str:
         return f"127.0.0.1:{self._procs[k].port}"
 
+    @property
+    def client_addresses(self) -> list[str]:
+        """Addresses for clients in this host's processes: ``unix:`` sockets when the
+        cluster was started with ``unix_sockets``, else :attr:`addresses`."""
+        if not self.unix_sockets:
+            return self.addresses
+        return [f"unix:{self._socket_path(k)}" for k in range(self.num_shards)]
+
+    def _socket_path(self, k: int) -> Path:
+        return (self.data_root / f"shard-{k}.sock").resolve()
+
     def pid(self, k: int) -> int:
         return self._procs[k].child.pid
 
@@ -172,6 +187,9 @@ class ShardCluster:
             "--max-message-bytes", str(s.max_message_bytes), "--max-bags-per-rpc", str(s.max_bags_per_rpc),
             "--tier-dtype", self.tier_dtype,
         ]  # fmt: skip
+        if self.unix_sockets:
+            self._socket_path(k).unlink(missing_ok=True)  # a stale socket from a killed run
+            cmd += ["--unix-socket", str(self._socket_path(k))]
         if self.load_from is not None:
             cmd += ["--load-from", str(self.load_from)]
         if self.fault_hook:

@@ -91,6 +91,16 @@ def validate_features(
 
     # Range checks and regrouping: one pass per feature. Viewed as unsigned, a negative
     # id is huge, so one max() checks both ends of [0, rows).
+    if n_keys == 1:  # the common case, without the regrouping machinery (same result)
+        key, table = keys[0], tables_of[0]
+        assert table is not None
+        rows = table_rows[table]
+        if values.size and int(values.view(np.uint64).max()) >= rows:
+            bad = int(values[(values < 0) | (values >= rows)][0])
+            raise InvalidArgument(f"feature {key!r}: table {table!r} has {rows:,} rows; id {bad:,} is out of range [0, {rows:,})")
+        n = int(values.shape[0])
+        part = TableInput(features=keys, ids=values, lengths=lengths, feature_counts=np.full(1, n, dtype=np.int64))
+        return CallerLookup(keys=keys, batch_size=batch, tables={table: part}, pooled=pooled, deadline=deadline, n_ids=n)
     by_table: dict[str, tuple[list[str], list[np.ndarray], list[np.ndarray]]] = {}
     start = 0
     for k, key in enumerate(keys):

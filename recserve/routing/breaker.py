@@ -126,8 +126,8 @@ class Breakers:
     def acquire(self, shard: int, now: float) -> bool:
         """Take a call slot on ``shard``: always granted when closed; one of the
         ``half_open_probes`` permits when half-open; refused when open (or when every
-        probe permit is out). Every granted call must end in :meth:`on_success` or
-        :meth:`on_failure`."""
+        probe permit is out). Every granted call must end in :meth:`on_success`,
+        :meth:`on_failure` or :meth:`release`."""
         if self._failures[shard] < self.threshold:
             return True
         if self._open_until[shard] > now:
@@ -147,13 +147,18 @@ class Breakers:
         self._open_until[shard] = 0.0
         self._probes[shard] = 0
 
+    def release(self, shard: int) -> None:
+        """A granted call ended without a verdict (the caller cancelled it, e.g. a hedge
+        that lost the race): its probe permit, if it held one, is free again and the
+        state does not change."""
+        self._probes[shard] = max(0, int(self._probes[shard]) - 1)
+
     def on_failure(self, shard: int, now: float) -> None:
         """A call failed (a status the caller counts). ``failures`` in a row open the
         breaker for ``open_s``; a half-open destination has already reached the
         threshold, so its failure re-opens it at once; a failure while open (a call
         sent before it opened) extends the open period."""
         self._failures[shard] += 1
-        self._probes[shard] = max(0, int(self._probes[shard]) - 1)
         if self._failures[shard] >= self.threshold:
             if self._open_until[shard] <= now:
                 self.opened += 1

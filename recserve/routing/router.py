@@ -178,14 +178,21 @@ class Router:
 
         ``code``: its status (``OK`` or None for success). A retryable status
         (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) counts against the
-        replica's breaker; any other status is an answer (INVALID_ARGUMENT comes from
-        a healthy replica) and closes it. ``latency_s`` feeds the hedge delay for
+        replica's breaker; CANCELLED (the caller's own cancellation) changes no state
+        but frees a half-open probe permit; any other status is an answer
+        (INVALID_ARGUMENT comes from a healthy replica) and closes it. ``latency_s`` feeds the hedge delay for
         answers and for deadline-exceeded calls (the time waited, a lower bound), not
         for fast UNAVAILABLE refusals, which would make a dead replica look quick.
         ``cost``: the cost passed to :meth:`pick`.
         """
         i = self.index(replica)
         self.inflight[i] = max(0.0, self.inflight[i] - cost)
+        if code == grpc.StatusCode.CANCELLED:
+            # Our own cancellation (a hedge that lost, a caller gone) says nothing about
+            # the replica's health; the time waited is still a lower bound on latency.
+            self.breakers.release(i)
+            self.latency.record(i, latency_s, now)
+            return
         if code is not None and code != grpc.StatusCode.OK and is_retryable(code):
             self.stats.failures += 1
             self.breakers.on_failure(i, now)

@@ -1,7 +1,7 @@
 """Both gRPC I/O paths work: shards launched with the transport settings of
-``LookupConfig`` (``GRPC_EXPERIMENTS`` off the event engine, glibc malloc thresholds)
-and with gRPC's defaults answer the same lookups exactly, and the launcher really hands
-the settings to each child process."""
+``LookupConfig`` (``GRPC_EXPERIMENTS`` off the event engine, glibc malloc thresholds,
+reached over their Unix domain sockets) and with gRPC's defaults over TCP answer the
+same lookups exactly, and the launcher really hands the settings to each child."""
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def child_env(pid: int) -> dict[str, str]:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
-@pytest.mark.parametrize("experiments", ["", POLL_IO], ids=["grpc-default", "poll-io"])
-def test_lookups_are_exact_on_either_grpc_io_path(tmp_path: Path, experiments: str) -> None:
+@pytest.mark.parametrize("experiments, unix", [("", False), (POLL_IO, True)], ids=["grpc-default-tcp", "poll-io-unix"])
+def test_lookups_are_exact_on_either_grpc_io_path(tmp_path: Path, experiments: str, unix: bool) -> None:
     plan, _ = make_plan(num_shards=2)
     plan.save(tmp_path / "plan.json")
     weights = make_weights()
@@ -37,14 +37,16 @@ def test_lookups_are_exact_on_either_grpc_io_path(tmp_path: Path, experiments: s
     lookup = LookupConfig(grpc_experiments=experiments, shard_malloc_mmap_threshold_bytes=(4 << 20) if experiments else 0, http2_max_frame_bytes=1 << 20)
     env = transport_env(lookup)
     ids = np.arange(0, 2000, 7)
-    with ShardCluster(tmp_path / "plan.json", tmp_path / "data", load_from=tmp_path / "weights.npz", server=ShardServerConfig(threads=1), env=env) as cluster:
+    with ShardCluster(tmp_path / "plan.json", tmp_path / "data", load_from=tmp_path / "weights.npz", server=ShardServerConfig(threads=1), env=env, unix_sockets=unix) as cluster:
+        addresses = cluster.client_addresses
+        assert all(a.startswith("unix:") for a in addresses) == unix and (unix or addresses == cluster.addresses)
         for k in range(2):
             got = child_env(cluster.pid(k))
             assert got.get("GRPC_EXPERIMENTS") == (experiments or None)
             assert got.get("MALLOC_MMAP_THRESHOLD_") == (str(4 << 20) if experiments else None)
 
         async def body() -> np.ndarray:
-            client = LookupClient.connect(make_config(lookup=lookup), plan, cluster.addresses)
+            client = LookupClient.connect(make_config(lookup=lookup), plan, addresses)
             await client.start()
             try:
                 result = await client.lookup(item_kjt(ids), pooled=False, timeout_s=10.0)

@@ -85,6 +85,16 @@ def test_a_non_retryable_answer_is_not_a_breaker_failure_and_not_retried() -> No
     assert router.budget.tokens == router.config.retry_burst
 
 
+def test_a_cancelled_call_is_no_verdict_but_frees_the_probe() -> None:
+    router = make_router()
+    fail_until_open(router, "r1:7000", 0.0)
+    router.reported[:] = [1e9, 0.0, 1e9]
+    assert [router.pick(1.0, cost=0.0) for _ in range(30)].count("r1:7000") == 1  # the probe
+    router.on_result("r1:7000", grpc.StatusCode.CANCELLED, 0.001, 1.0, cost=0.0)
+    assert router.state("r1:7000", 1.0) is BreakerState.HALF_OPEN  # not closed by it
+    assert [router.pick(1.0, cost=0.0) for _ in range(30)].count("r1:7000") == 1  # a new probe
+
+
 def test_a_retry_storm_through_the_router_stays_within_the_budget() -> None:
     router = make_router(retry_budget=0.1, retry_burst=3.0, breaker_failures=10_000)
     extra = 0

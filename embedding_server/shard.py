@@ -34,7 +34,7 @@ from embedding_server.store import RowStore
 from embedding_server.table import TableTiers
 from recserve.config.spec import ShardServerConfig
 from recserve.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
-from recserve.rpc.tensors import pack, unpack
+from recserve.rpc.tensors import pack_into, unpack
 from recserve.sharding.plan import Tier
 from recserve.v1 import common_pb2, embedding_pb2
 
@@ -183,14 +183,15 @@ class ShardCore:
         for table, ids, (cs, ce), bags in decoded:
             result = table.lookup(ids, cs, ce, out)
             reply = response.tables.add(table=table.name, col_start=cs, col_end=ce)
-            reply.found.CopyFrom(pack(result.found))
-            reply.not_owned.CopyFrom(pack(result.not_owned))
+            # pack_into: the reply's bytes are copied once (no Tensor + CopyFrom).
+            pack_into(reply.found, result.found)
+            pack_into(reply.not_owned, result.not_owned)
             if bags is None:
-                reply.rows.CopyFrom(pack(result.rows, out.wire))
+                pack_into(reply.rows, result.rows, out.wire)
             else:
                 sums, counts = pool_partial(result.rows, result.not_owned == 0, bags[0], bags[1])
-                reply.pooled.CopyFrom(pack(sums))
-                reply.bag_counts.CopyFrom(pack(counts))
+                pack_into(reply.pooled, sums)
+                pack_into(reply.bag_counts, counts)
             for kind, count in result.served.items():
                 served[kind] += count
             missing += result.missing

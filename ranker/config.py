@@ -122,6 +122,10 @@ class TrainConfig:
     tt_epochs: int = 1
     lr: float = 1e-2
     tt_lr: float = 3e-3
+    # Weight of DLRM's auxiliary history softmax on its item table (0 = off).
+    dlrm_history_weight: float = 0.0
+    # Learning rate at the last step as a fraction of the base rate (linear decay; 1 = constant).
+    lr_final: float = 1.0
     max_rows: int = 0
     eval_users: int = 1000
     recall_k: int = 100
@@ -136,6 +140,7 @@ class TrainConfig:
         require(self.batch_size > 0 and self.tt_batch_size > 1, "train.batch_size", (self.batch_size, self.tt_batch_size), "use positive batch sizes (two-tower needs >= 2 for in-batch negatives)")
         require(self.epochs >= 0 and self.tt_epochs >= 0, "train.epochs", (self.epochs, self.tt_epochs), "use >= 0 epochs")
         require(self.lr > 0 and self.tt_lr > 0, "train.lr", (self.lr, self.tt_lr), "use positive learning rates")
+        require(0.0 <= self.lr_final <= 1.0, "train.lr_final", self.lr_final, "use a fraction of the base rate in [0, 1] (1 = constant)")
         require(self.max_rows >= 0, "train.max_rows", self.max_rows, "use >= 0 (0 = every row)")
         require(self.threads >= 0, "train.threads", self.threads, "use >= 0 threads (0 = torch's default)")
         require(self.eval_users > 0 and self.recall_k > 0, "train.eval_users", (self.eval_users, self.recall_k), "use positive counts")

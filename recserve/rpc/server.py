@@ -149,13 +149,17 @@ class Health(health_pb2_grpc.HealthServicer):
     async def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext) -> None:
         last = None
         while True:
+            # Read the event, the status and the shutdown flag together (no await between):
+            # a shutdown that lands while the write below is in flight sets ``changed``, so
+            # the loop comes round and sends NOT_SERVING before it ends the stream.
             changed = self._changed
             status = self._status.get(request.service, health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            final = self._shutting_down
             if status != last:
                 await context.write(health_pb2.HealthCheckResponse(status=status))
                 last = status
-            if self._shutting_down:
-                return  # NOT_SERVING (or SERVICE_UNKNOWN) was sent: end the stream
+            if final:
+                return  # the shutdown status (NOT_SERVING / SERVICE_UNKNOWN) was sent: end the stream
             await changed.wait()
 
     async def set(self, service: str, status: health_pb2.HealthCheckResponse.ServingStatus.ValueType) -> None:

@@ -45,7 +45,7 @@ def add(sched: Scheduler, caller: int, now: float) -> Handle:
 def closed_loop(close_at_dispatch: bool, callers: int = 8, rounds: int = 5) -> tuple[dict[int, int], list[float]]:
     """Every caller resubmits the moment its window completes. Returns windows per caller
     and each window's wait (formed_at - its callers' arrival), in fake seconds."""
-    sched, policy = make_scheduler(close_at_dispatch)
+    sched, _ = make_scheduler(close_at_dispatch)
     now = 0.0
     windows_of = {c: 0 for c in range(callers)}
     waits = []

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ranker.config import DlrmConfig, L3Config, TwoTowerConfig
-from ranker.features import LogCounts, ServingArrays, dense_features, sparse_features
+from ranker.features import DENSE_FEATURES, LOG_SCALE, LogCounts, ServingArrays, Source, SparseFeature, dense_features, sparse_features
 from ranker.models.common import pad_jagged
 from ranker.models.dlrm import DLRM_FEATURES, DlrmRanker
 from ranker.models.l3 import L3Reranker
@@ -19,7 +19,7 @@ from ranker.scoring import jagged_tensors
 from recserve.catalog.storage import Csr
 
 ITEMS, USERS, CATS, TAGS = 50, 12, 5, 9
-ROWS = {"dlrm_user": USERS, "dlrm_item": ITEMS, "dlrm_category": CATS, "dlrm_tag": TAGS}
+ROWS = {"dlrm_user": USERS, "dlrm_item": ITEMS, "dlrm_category": CATS, "dlrm_tag": TAGS, "dlrm_category_cross": CATS * CATS}
 ROWS.update({f"{p}_{t}": n for p in ("tt", "l3") for t, n in (("item", ITEMS), ("category", CATS), ("tag", TAGS))})
 
 
@@ -158,3 +158,63 @@ def test_row_sparse_adam_matches_torch_sparse_adam() -> None:
             opt.step()
     torch.testing.assert_close(ours, ref)
     assert torch.equal(ours[0], init[0]) and not torch.equal(ours[5], init[5])  # untouched rows stay, touched rows move
+
+
+def _history(arrays: ServingArrays, user: int) -> np.ndarray:
+    offsets = np.asarray(arrays.user_history.offsets)
+    return np.asarray(arrays.user_history.values)[offsets[user] : offsets[user + 1]]
+
+
+def test_category_cross_pairs_every_history_category_with_the_candidates() -> None:
+    arrays = make_arrays()
+    users, items = _pairs()
+    cross = SparseFeature("x", "dlrm_category_cross", Source.CATEGORY_CROSS)
+    values, lengths = sparse_features(arrays, (cross,), users, items).feature("x")
+    cat = arrays.item_category
+    # Oracle: a plain loop over pairs and their history items.
+    expected = [int(cat[h]) * CATS + int(cat[i]) for u, i in zip(users, items) for h in _history(arrays, int(u))]
+    assert values.tolist() == expected
+    assert lengths.tolist() == [len(_history(arrays, int(u))) for u in users]
+    assert 0 <= values.min() and values.max() < ROWS["dlrm_category_cross"]
+    assert "dlrm_category_cross" in {f.name for f in DLRM_FEATURES}
+
+
+def test_history_category_log_share_counts_the_candidates_category() -> None:
+    arrays = make_arrays()
+    users, items = _pairs()
+    got = dense_features(arrays, users, items)[:, DENSE_FEATURES.index("history_category_log_share")]
+    cat = arrays.item_category
+    same = np.array([int((cat[_history(arrays, int(u))] == cat[i]).sum()) for u, i in zip(users, items)])
+    lengths = np.array([len(_history(arrays, int(u))) for u in users])
+    assert same.max() > 0 and (same == 0).any()  # both cases occur in the sample
+    np.testing.assert_allclose(got, np.log((same + 0.1) / (lengths + 1.0)) / LOG_SCALE, rtol=1e-6)
+
+
+def test_two_tower_category_rows_have_their_own_width() -> None:
+    from ranker.scoring import item_vectors, user_vectors
+
+    arrays = make_arrays()
+    users, items = _pairs()
+    wide = TwoTower(TwoTowerConfig(embedding_dim=4, hidden=8, out_dim=6, category_dim=7), ROWS, generator=torch.Generator().manual_seed(0))
+    assert tuple(wide.tables["tt_category"].shape) == (CATS, 7) and tuple(wide.tables["tt_item"].shape) == (ITEMS, 4)
+    with torch.no_grad():
+        assert user_vectors(wide, arrays, users).shape == (40, 6) and item_vectors(wide, arrays, items).shape == (40, 6)
+    same = TwoTower(TwoTowerConfig(embedding_dim=4, hidden=8, out_dim=6, category_dim=0), ROWS)
+    assert tuple(same.tables["tt_category"].shape) == (CATS, 4)  # 0 = embedding_dim
+
+
+def test_linear_decay_reaches_the_final_fraction_and_stays() -> None:
+    from ranker.optim import RowSparseAdam, linear_decay
+
+    w = torch.nn.Parameter(torch.zeros(3, 2))
+    opts: list[torch.optim.Optimizer] = [RowSparseAdam([w], lr=0.1), torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))], lr=0.2)]
+    schedules = linear_decay(opts, steps=4, final=0.25)
+    seen = []
+    for _ in range(6):
+        for opt in opts:
+            opt.step()  # no gradients: a no-op step, as the scheduler expects one first
+        for s in schedules:
+            s.step()
+        seen.append([opt.param_groups[0]["lr"] for opt in opts])
+    np.testing.assert_allclose([r[0] for r in seen], [0.08125, 0.0625, 0.04375, 0.025, 0.025, 0.025])
+    np.testing.assert_allclose([r[1] for r in seen], [0.1625, 0.125, 0.0875, 0.05, 0.05, 0.05])

@@ -357,3 +357,37 @@ def test_health_watchers_get_not_serving_and_their_streams_end_at_shutdown() -> 
         assert [r.status for r in late.written] == [not_serving]
 
     run(go())
+
+
+def test_a_watcher_still_writing_serving_when_shutdown_begins_gets_not_serving_too() -> None:
+    """The shutdown can land while a watcher's write of SERVING is still in flight (seen
+    on a loaded machine): the stream must still end with NOT_SERVING, not with SERVING."""
+    from grpc_health.v1 import health_pb2
+
+    from recserve.rpc.server import Health
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+
+    class SlowContext(FakeContext):
+        def __init__(self) -> None:
+            super().__init__()
+            self.in_write = asyncio.Event()
+            self.release = asyncio.Event()
+
+        async def write(self, message: Any) -> None:
+            self.in_write.set()
+            await self.release.wait()  # the transport has not taken the message yet
+            self.written.append(message)
+
+    async def go() -> None:
+        health = Health()
+        await health.set("", serving)
+        context = SlowContext()
+        watch = asyncio.ensure_future(health.Watch(health_pb2.HealthCheckRequest(service=""), context))  # type: ignore[arg-type]
+        await asyncio.wait_for(context.in_write.wait(), 5.0)
+        await health.enter_graceful_shutdown()  # while SERVING is being written
+        context.release.set()
+        await asyncio.wait_for(watch, 5.0)
+        assert [r.status for r in context.written] == [serving, not_serving]
+
+    run(go())

@@ -51,11 +51,17 @@ class TwoTowerConfig:
     weight 0.25 (0.5: 0.15; 1.0 about half of 0.25's recall on a 20k-item catalog: the
     click model keeps a popularity term),
     batch 1,024 (2,048: 0.16), one epoch (two: 0.17, the id rows overfit).
+
+    Then, on a 50k-item catalog with default users and log (1,000 users, not the
+    evaluation sample): 0.266 with the above; 128-wide ``tt_category`` rows 0.338 (the
+    user's category mix is what the ground truth mostly ranks by, and 16 wide rows pool
+    128 categories into 16 numbers); ``out_dim`` 64 0.342; a linearly decaying rate
+    (:attr:`TrainConfig.lr_final`) 0.349.
     """
 
     embedding_dim: int = 16
     hidden: int = 128
-    out_dim: int = 32
+    out_dim: int = 64
     temperature: float = 0.05
     # Fraction of log q subtracted (1 = the full logQ correction; < 1 leaves part of the
     # popularity prior in the scores, as the click model's own popularity term does).
@@ -63,8 +69,9 @@ class TwoTowerConfig:
     # Uniformly sampled extra negatives per batch (0 = in-batch negatives only; 1,024
     # measured 0.02 lower recall@100 on a 50k-item catalog).
     uniform_negatives: int = 0
-    # Width of the ``tt_category`` rows (0 = ``embedding_dim``).
-    category_dim: int = 0
+    # Width of the ``tt_category`` rows (0 = ``embedding_dim``): one row per category,
+    # so width costs nothing in memorisation (see the class docstring).
+    category_dim: int = 128
 
     @property
     def category_width(self) -> int:
@@ -122,10 +129,10 @@ class TrainConfig:
     tt_epochs: int = 1
     lr: float = 1e-2
     tt_lr: float = 3e-3
-    # Weight of DLRM's auxiliary history softmax on its item table (0 = off).
-    dlrm_history_weight: float = 0.0
-    # Learning rate at the last step as a fraction of the base rate (linear decay; 1 = constant).
-    lr_final: float = 1.0
+    # Learning rate at the last step as a fraction of the base rate (linear decay; 1 =
+    # constant). 0 measured +0.002 DLRM AUC and +0.006 two-tower recall@100 on a
+    # 50k-item catalog.
+    lr_final: float = 0.0
     max_rows: int = 0
     eval_users: int = 1000
     recall_k: int = 100

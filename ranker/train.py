@@ -141,47 +141,13 @@ def train_dlrm(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainCon
     with _seeded(config.seed):
         model = DlrmRanker(config.dlrm, table_rows(catalog), generator=torch.Generator().manual_seed(config.seed)).to(device)
     users, items, labels = (np.asarray(a) for a in (catalog.train.user, catalog.train.item, catalog.train.label))
-    history_loss = _history_softmax(arrays, model.table_weights()["dlrm_item"], config.batch_size, np.random.default_rng([config.seed, 3]), device)
 
     def step(rows: np.ndarray) -> torch.Tensor:
         y = labels[rows]
         logits = dlrm_logits(model, arrays, users[rows], items[rows], y)
-        loss = F.binary_cross_entropy_with_logits(logits, torch.from_numpy(y.astype(np.float32)).to(device))
-        if config.dlrm_history_weight:
-            loss = loss + config.dlrm_history_weight * history_loss()
-        return loss
+        return F.binary_cross_entropy_with_logits(logits, torch.from_numpy(y.astype(np.float32)).to(device))
 
     return model, _fit("dlrm", model, len(labels), config.batch_size, config.epochs, config, step)
-
-
-def _history_softmax(arrays: ServingArrays, weight: torch.Tensor, batch: int, rng: np.random.Generator, device: torch.device) -> Callable[[], torch.Tensor]:
-    """An auxiliary loss on an item table ``weight`` [N, D]: ``batch`` random history
-    entries, each scored against the mean row of the rest of its user's history, in-batch
-    softmax with the full logQ correction.
-
-    DLRM's interaction compares the pooled history rows with the candidate's row; the
-    click log alone (≈9 impressions per item on a 200k-item catalog) says little about
-    most items, while the histories hold ≈20× more engagement. This teaches the rows
-    item-to-item affinity from them (no labels of the log are read).
-    """
-    hist = arrays.user_history
-    owner = np.repeat(np.arange(hist.num_rows, dtype=np.int64), hist.lengths())
-    targets = np.asarray(hist.values, dtype=np.int64)
-    share = np.bincount(targets, minlength=arrays.num_items) / max(1, len(targets))
-    log_q = torch.from_numpy(np.log(np.maximum(share * batch, 1e-30))).float().to(device)
-
-    def loss() -> torch.Tensor:
-        idx = np.sort(rng.integers(0, len(targets), batch))
-        values, lengths = gather_jagged(hist, owner[idx], exclude=idx)
-        lens = to_tensor(lengths, device)
-        u = F.embedding_bag(to_tensor(values, device), weight, torch.cumsum(lens, 0) - lens, mode="mean", sparse=True)
-        item = to_tensor(targets[idx], device)
-        logits = u @ F.embedding(item, weight, sparse=True).T - log_q[item][None, :]
-        same = torch.from_numpy(targets[idx][:, None] == targets[idx][None, :]).to(device)
-        same.fill_diagonal_(False)
-        return F.cross_entropy(logits.masked_fill(same, float("-inf")), torch.arange(batch, device=device))
-
-    return loss
 
 
 def train_l3(catalog: ScrubbedCatalog, arrays: ServingArrays, config: TrainConfig, device: torch.device) -> tuple[L3Reranker, float]:

@@ -1,6 +1,6 @@
 """DLRM (``torchrec.models.dlrm.DLRM``) over the catalog's sparse features.
 
-Its ``EmbeddingBagCollection`` has four mean-pooled tables, each shared by the features
+Its ``EmbeddingBagCollection`` has five mean-pooled tables, each shared by the features
 that read the same id space (so the interaction's dot products compare a candidate with
 the user's history in one embedding space):
 
@@ -13,7 +13,17 @@ dlrm_history_items      dlrm_item        the user's history items
 dlrm_candidate_category dlrm_category    the candidate's category
 dlrm_history_categories dlrm_category    the history items' categories
 dlrm_candidate_tags     dlrm_tag         the candidate's tags
+dlrm_category_cross     dlrm_category_   one (history item's category,
+                        cross            candidate's category) id per history
+                                         item: ``c_h · C + c_cand``
 ======================  ===============  =====================================
+
+Why the crossed table: the click model ranks mostly by how close the candidate's
+category is to the user's category mix, and 16-wide pooled category rows can hold only a
+rank-16 view of the 128 × 128 category affinities. The crossed bag's mean row, dotted with
+the dense arch's output, is a learned full-rank ``[C, C]`` affinity averaged over the
+history (C² = 16,384 rows for the default 128 categories): +0.007 held-out AUC on a
+50k-item catalog, +0.009 on a 200k-item one.
 
 Dense features: :data:`ranker.features.DENSE_FEATURES` (log counts of the training log).
 At serving time the sparse part is the remote lookup: :meth:`DlrmRanker.score_pooled`

@@ -590,26 +590,9 @@ def format_report(r: dict[str, Any]) -> str:
     ]
     if r.get("redis_reason"):
         lines.append(f"redis: {r['redis_reason']}")
-    high = r.get("rows_per_s_c_high") or {}
-    lines += [
-        f"C={c.get('concurrency_high')}: client {f(high.get('feature_parallel'))} rows/s, redis per request {f(high.get('redis_mget'))}, redis dedup {f(high.get('redis_mget_dedup'))}",
-        f"vs redis per request: C={c['concurrency']} {f(r.get('speedup_vs_redis_per_request_c64'), '.2f')}  C={c.get('concurrency_high')} {f(r.get('speedup_vs_redis_per_request_c256'), '.2f')}   "
-        f"vs redis dedup: {f(r.get('speedup_vs_redis_dedup_c64'), '.2f')} / {f(r.get('speedup_vs_redis_dedup_c256'), '.2f')}",
-        f"memory: redis used_memory {f(r.get('redis_used_memory'))} B (rss {f(r.get('redis_rss_bytes'))}), recserve data {f(r.get('recserve_data_bytes'))} B, shard rss {f(r.get('shard_rss_bytes'))} B",
-        f"unloaded ({f(r.get('unloaded_rate_per_s'), 'g')} req/s): p50 {f(r.get('unloaded_p50_ms'), '.2f')} ms  p99 {f(r.get('unloaded_p99_ms'), '.2f')} ms",
-        f"tiered ({c.get('tiered_fraction', 0.1):.0%} DRAM, RocksDB direct reads): {f(r.get('tiered_rows_per_s'))} rows/s; equal memory / tiered {f(r.get('equal_memory_vs_tiered'), '.2f')}",
-    ]
-    if r.get("knees"):
-        lines.append(f"knees (>= 99% OK within {c.get('knee_slo_ms')} ms): " + "  ".join(f"{n} {f(v)}/s ({r['knees'][n]['status']})" for n, v in r["knee_per_s"].items())
-                     + f"   ratio vs redis {f(r.get('knee_ratio_vs_redis'), '.2f')}, vs naive {f(r.get('knee_ratio_vs_naive'), '.2f')}")
-        lines.append(f"{'offered/s':>10}  " + "  ".join(f"{n + ' p99 ms':>24}" for n in r["knees"]))
-        rates = sorted({round(rate, 1) for k in r["knees"].values() for rate, _ in k["curve"]})
-        for rate in rates:
-            cells = []
-            for k in r["knees"].values():
-                p = [p99 for x, p99 in k["curve"] if round(x, 1) == rate]
-                cells.append(f"{f(p[0] if p else None, '.2f'):>24}")
-            lines.append(f"{rate:>10,.0f}  " + "  ".join(cells))
+    from recserve.bench.lookup_capacity import format_capacity
+
+    lines += format_capacity(r)
     cl = r["client"]
     lines += [
         f"client: {cl['windows']:,} windows, {cl['callers_per_window']:.1f} callers/window, {cl['ids_per_rpc']:.0f} ids/RPC, "

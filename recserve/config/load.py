@@ -60,6 +60,12 @@ dim = 16
 pooling = "mean"
 
 [[tables]]
+name = "dlrm_category_cross"
+rows = 16384
+dim = 16
+pooling = "mean"
+
+[[tables]]
 name = "tt_item"
 rows = 100000
 dim = 16
@@ -68,7 +74,7 @@ pooling = "mean"
 [[tables]]
 name = "tt_category"
 rows = 128
-dim = 16
+dim = 128
 pooling = "mean"
 
 [[tables]]
@@ -112,6 +118,10 @@ table = "dlrm_category"
 [[features]]
 name = "dlrm_candidate_tags"
 table = "dlrm_tag"
+
+[[features]]
+name = "dlrm_category_cross"
+table = "dlrm_category_cross"
 
 [[features]]
 name = "tt_history_items"

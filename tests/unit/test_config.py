@@ -22,7 +22,7 @@ table = "item"
 def test_embedded_default_needs_no_file() -> None:
     cfg = default_config()
     # Trained tables, model-prefixed: no default table is named like a catalog's ground truth.
-    assert [t.name for t in cfg.tables] == ["dlrm_user", "dlrm_item", "dlrm_category", "dlrm_tag", "tt_item", "tt_category", "l3_item", "l3_category", "l3_tag"]
+    assert [t.name for t in cfg.tables] == ["dlrm_user", "dlrm_item", "dlrm_category", "dlrm_tag", "dlrm_category_cross", "tt_item", "tt_category", "l3_item", "l3_category", "l3_tag"]
     assert cfg.features_of("dlrm_item") == ["dlrm_candidate_item", "dlrm_history_items"]  # one table, two features
     assert cfg.ranker.models_dir == "models"
     assert cfg.sharding.num_shards == 2

@@ -25,10 +25,14 @@ def _from_dict(cls: type[T], data: dict[str, Any]) -> T:
 @dataclasses.dataclass(frozen=True)
 class DlrmConfig:
     """``torchrec.models.dlrm.DLRM`` sizes: every table ``embedding_dim`` wide (DLRM's
-    interaction needs one width), dense arch ending at ``embedding_dim``."""
+    interaction needs one width), dense arch ending at ``embedding_dim``.
 
-    embedding_dim: int = 16
-    dense_arch: tuple[int, ...] = (64, 16)
+    32 wide rather than 16: with the crossed category table and a decaying rate,
+    held-out AUC 0.8414 vs 0.8404 on a 50k-item catalog (default users and log).
+    """
+
+    embedding_dim: int = 32
+    dense_arch: tuple[int, ...] = (64, 32)
     over_arch: tuple[int, ...] = (64, 32, 1)
 
     def __post_init__(self) -> None:

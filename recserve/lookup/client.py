@@ -37,7 +37,7 @@ from recserve.errors import FailedPrecondition, InternalError, InvalidArgument
 from recserve.lookup.config import LookupClientConfig
 from recserve.lookup.fanout import WindowRun
 from recserve.lookup.runtime import Runtime
-from recserve.lookup.health import Breakers, HedgeBudget, LatencyTracker
+from recserve.routing import Breakers, HedgeBudget, LatencyTracker
 from recserve.lookup.near_cache import NearCache
 from recserve.lookup.stats import LookupStats
 from recserve.lookup.transport import GrpcShardTransport, ShardTransport

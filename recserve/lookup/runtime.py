@@ -10,7 +10,7 @@ from concurrent.futures import Executor
 import numpy as np
 
 from recserve.lookup.config import LookupClientConfig
-from recserve.lookup.health import Breakers, HedgeBudget, LatencyTracker
+from recserve.routing import Breakers, HedgeBudget, LatencyTracker
 from recserve.lookup.near_cache import NearCache
 from recserve.lookup.route import ShardState
 from recserve.lookup.stats import LookupStats

@@ -14,7 +14,8 @@ from ``TrainConfig.seed``, so reruns on the same machine and device match.
   over-penalised for appearing as negatives more often), duplicate positives of the
   same item masked out of the negatives.
 - Embedding tables get sparse gradients and :class:`~ranker.optim.RowSparseAdam`;
-  dense layers plain Adam.
+  dense layers plain Adam; both rates decay linearly to ``TrainConfig.lr_final`` of
+  their base over the run (:func:`~ranker.optim.linear_decay`).
 """
 
 from __future__ import annotations

@@ -38,31 +38,31 @@ DEFAULT_SPEC = """
 [[tables]]
 name = "dlrm_user"
 rows = 100000
-dim = 16
+dim = 32
 pooling = "mean"
 
 [[tables]]
 name = "dlrm_item"
 rows = 100000
-dim = 16
+dim = 32
 pooling = "mean"
 
 [[tables]]
 name = "dlrm_category"
 rows = 128
-dim = 16
+dim = 32
 pooling = "mean"
 
 [[tables]]
 name = "dlrm_tag"
 rows = 2048
-dim = 16
+dim = 32
 pooling = "mean"
 
 [[tables]]
 name = "dlrm_category_cross"
 rows = 16384
-dim = 16
+dim = 32
 pooling = "mean"
 
 [[tables]]

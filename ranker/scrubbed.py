@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from recserve.catalog.storage import MANIFEST, ClickLog, Csr
+from recserve.catalog.storage import MANIFEST, ClickLog, Csr, open_arrays
 from recserve.errors import FailedPrecondition, NotFound
 
 # The only arrays training may open (manifest names; files are `<name>.npy`).
@@ -87,24 +87,6 @@ def _manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
-def _open_arrays(directory: Path, manifest: dict[str, Any], names: tuple[str, ...]) -> dict[str, np.ndarray]:
-    specs = manifest.get("arrays", {})
-    arrays: dict[str, np.ndarray] = {}
-    for name in names:
-        spec = specs.get(name)
-        if spec is None:
-            raise FailedPrecondition(f"{directory / MANIFEST} lists no array {name!r}; regenerate the catalog")
-        fpath = directory / spec["file"]
-        try:
-            arr = np.load(fpath, mmap_mode="r", allow_pickle=False)
-        except (OSError, ValueError) as exc:
-            raise FailedPrecondition(f"{fpath} cannot be memory-mapped ({exc}); regenerate the catalog") from exc
-        if list(arr.shape) != list(spec["shape"]) or arr.dtype.str != spec["dtype"]:
-            raise FailedPrecondition(f"{fpath} has shape {list(arr.shape)} dtype {arr.dtype.str}; the manifest says {spec['shape']} {spec['dtype']}")
-        arrays[name] = arr
-    return arrays
-
-
 def open_scrubbed(path: Path | str) -> ScrubbedCatalog:
     """Open the scrubbed view of the catalog directory ``path`` (memory-mapped).
 
@@ -117,7 +99,7 @@ def open_scrubbed(path: Path | str) -> ScrubbedCatalog:
     missing = [f for f in TRAINING_CONFIG_FIELDS if not isinstance(config.get(f), int)]
     if missing:
         raise FailedPrecondition(f"{directory / MANIFEST} config lacks integer fields {missing}; regenerate the catalog")
-    a = _open_arrays(directory, manifest, TRAINING_ARRAYS)
+    a = open_arrays(directory, manifest, TRAINING_ARRAYS)
     return ScrubbedCatalog(
         num_items=int(config["items"]),
         num_users=int(config["users"]),
@@ -134,5 +116,5 @@ def open_scrubbed(path: Path | str) -> ScrubbedCatalog:
 def open_held_out(path: Path | str) -> ClickLog:
     """The held-out (test) split of the catalog at ``path``: evaluation only."""
     directory = Path(path)
-    a = _open_arrays(directory, _manifest(directory), HELD_OUT_ARRAYS)
+    a = open_arrays(directory, _manifest(directory), HELD_OUT_ARRAYS)
     return ClickLog(a["test.user"], a["test.item"], a["test.label"])

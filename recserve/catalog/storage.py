@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -272,8 +273,15 @@ def load_catalog(path: Path | str) -> Catalog:
     against the manifest's shape and dtype. Raises NotFound / FailedPrecondition."""
     directory = Path(path)
     manifest = read_manifest(directory)
+    return Catalog.from_arrays(manifest, open_arrays(directory, manifest, ARRAY_NAMES), directory)
+
+
+def open_arrays(directory: Path, manifest: dict[str, Any], names: Sequence[str]) -> dict[str, np.ndarray]:
+    """Memory-map just ``names`` of a catalog directory (``np.load(mmap_mode="r")``), each
+    checked against the manifest's shape and dtype; FailedPrecondition otherwise. The
+    rankers' scrubbed view opens a subset through this, never the ground-truth arrays."""
     arrays: dict[str, np.ndarray] = {}
-    for name in ARRAY_NAMES:
+    for name in names:
         spec = manifest.get("arrays", {}).get(name)
         if spec is None:
             raise FailedPrecondition(f"{directory / MANIFEST} lists no array {name!r}; regenerate the catalog")
@@ -287,4 +295,4 @@ def load_catalog(path: Path | str) -> Catalog:
                 f"{fpath} has shape {list(arr.shape)} dtype {arr.dtype.str}; the manifest says shape {spec['shape']} dtype {spec['dtype']}: regenerate the catalog"
             )
         arrays[name] = arr
-    return Catalog.from_arrays(manifest, arrays, directory)
+    return arrays

@@ -130,7 +130,11 @@ def export_models(models: TrainedModels, catalog: ScrubbedCatalog, out: Path | s
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / MANIFEST).unlink(missing_ok=True)
+    # Every manifest that vouches for a version goes first, not only the top-level one:
+    # `recserve shard load` reads `embeddings/manifest.json` alone, and an old one left
+    # beside half-rewritten tables would stamp new rows with the old version.
+    for manifest_path in (out / MANIFEST, out / "embeddings" / MANIFEST, out / "index" / MANIFEST):
+        manifest_path.unlink(missing_ok=True)
     version = compute_model_version(models)
     tables = _shard_tables(models)
     for name, w in tables.items():

@@ -87,7 +87,9 @@ class ShardCluster:
         self.extra_args = tuple(extra_args)
         # Process-start settings for every shard (e.g. GRPC_EXPERIMENTS, MALLOC_*: gRPC and
         # glibc read them only when the process starts), on top of this process's env.
+        # Given (even empty), they own the transport variables: inherited ones are dropped.
         self.extra_env = dict(env or {})
+        self._owns_transport_env = env is not None
         # Every shard also listens on data_root/shard-K.sock; client_addresses hands
         # out unix: addresses (same host, no TCP stack), addresses stay TCP.
         self.unix_sockets = unix_sockets
@@ -202,6 +204,11 @@ class ShardCluster:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH", "")]))
         env.update(thread_env(self.server.threads))
+        if self._owns_transport_env:
+            from recserve.lookup.transport import TRANSPORT_ENV_KEYS
+
+            for key in TRANSPORT_ENV_KEYS:  # e.g. grpc_experiments = "": the event engine, not the parent's export
+                env.pop(key, None)
         env.update(self.extra_env)
         if self.admin_token:
             env["RECSERVE_ADMIN_TOKEN"] = self.admin_token

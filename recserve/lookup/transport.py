@@ -64,6 +64,12 @@ def channel_options(max_message_bytes: int, *, max_frame_bytes: int = 0) -> list
     return options
 
 
+# Every variable transport_env may set. A launcher given transport settings drops these
+# from the environment its children inherit: "" / 0 (gRPC's / glibc's default) must not
+# turn into whatever the launching process happens to export.
+TRANSPORT_ENV_KEYS = ("GRPC_EXPERIMENTS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
 def transport_env(lookup: LookupConfig) -> dict[str, str]:
     """Process-start environment of the lookup path's transport settings, for the
     launcher to pass to each shard (gRPC reads ``GRPC_EXPERIMENTS`` and glibc its

@@ -105,6 +105,11 @@ class Router:
         self.latency = LatencyTracker(n, percentile=cfg.hedge_percentile, min_delay_s=cfg.hedge_min_ms / 1e3)
         self.inflight = np.zeros(n)  # float [R]: cost picked here and not yet reported
         self.reported = np.zeros(n)  # float [R]: work the replicas report beyond ours
+        # int64 [R]: calls granted while the breaker was closed (no probe permit held) and
+        # not yet reported. A result is charged to these first, so a cancelled pre-outage
+        # call never frees a half-open probe permit it did not hold (an unattributed
+        # cancelled probe keeps its permit until the breaker's lost-probe expiry).
+        self._unpermitted = np.zeros(n, dtype=np.int64)
         self.stats = RouterStats()
 
     # ---- choosing -----------------------------------------------------------------
@@ -148,8 +153,11 @@ class Router:
             i = self.affinity.choose(key, eligible)
         else:
             i = self.policy.choose(self.work, self.weights, eligible, cost)
+        probe = self.breakers.state(i, now) is not BreakerState.CLOSED
         if not self.breakers.acquire(i, now):  # available() said it could: a bug if not
             raise InternalError(f"replica {self.replicas[i]!r} was eligible but its breaker refused the call")
+        if not probe:
+            self._unpermitted[i] += 1
         self.inflight[i] += cost
         self.stats.picks += 1
         if retry_of is None:
@@ -187,10 +195,14 @@ class Router:
         """
         i = self.index(replica)
         self.inflight[i] = max(0.0, self.inflight[i] - cost)
+        held_permit = self._unpermitted[i] == 0
+        if not held_permit:
+            self._unpermitted[i] -= 1
         if code == grpc.StatusCode.CANCELLED:
             # Our own cancellation (a hedge that lost, a caller gone) says nothing about
             # the replica's health; the time waited is still a lower bound on latency.
-            self.breakers.release(i)
+            if held_permit:
+                self.breakers.release(i)
             self.latency.record(i, latency_s, now)
             return
         if code is not None and code != grpc.StatusCode.OK and is_retryable(code):

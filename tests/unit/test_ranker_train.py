@@ -131,3 +131,28 @@ def test_export_round_trip_scores_match_and_version_is_checked(catalog_dir: Path
     with pytest.raises(FailedPrecondition) as err:
         check_table_versions(export.model_version, {"dlrm_item": "m-000000000000"}, ["dlrm_item"])
     assert "m-000000000000" in str(err.value) and export.model_version in str(err.value) and "dlrm_item" in str(err.value)
+
+
+def test_an_export_that_crashes_midway_leaves_no_manifest_vouching_for_its_tables(
+    catalog_dir: Path, trained: TrainedModels, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A re-export that dies after rewriting some shard tables must not leave the old
+    # embeddings manifest behind: `recserve shard load` would stamp the mix with the old
+    # version and the serving-time version check would pass.
+    from embedding_server.bulk_load import source_model_version
+    import ranker.export
+
+    out = tmp_path / "models"
+    old = export_models(trained, open_scrubbed(catalog_dir), out)["model_version"]
+    assert source_model_version(out) == old
+    real_save = ranker.export._save
+
+    def crash_after_first_table(path: Path, array: np.ndarray) -> None:
+        real_save(path, array)
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ranker.export, "_save", crash_after_first_table)
+    with pytest.raises(OSError, match="disk full"):
+        export_models(trained, open_scrubbed(catalog_dir), out)
+    assert source_model_version(out) == ""  # unversioned: check_table_versions refuses it
+    assert not (out / "index" / "manifest.json").exists() and not (out / "manifest.json").exists()

@@ -147,3 +147,18 @@ def test_hedge_delay_follows_answers_not_fast_refusals() -> None:
         router.on_result("r1:7000", UNAVAILABLE, 0.0001, 0.0, cost=0.0)
     assert router.hedge_delay("r0:7000") == pytest.approx(0.030)
     assert router.hedge_delay("r1:7000") == router.latency.default_delay_s  # no answers yet
+
+
+def test_cancelling_a_call_sent_before_the_outage_does_not_free_the_probe_permit() -> None:
+    # A hedge sent to r1 while it was healthy loses its race after r1 broke and its
+    # one probe went out: that cancellation held no probe permit, so it must not let a
+    # second probe through while the first is still out.
+    router = make_router(policy="least_loaded")
+    router.reported[:] = [1e9, 0.0, 1e9]  # r1 is the lightest: chosen whenever it may be
+    assert [router.pick(0.0, cost=0.0) for _ in range(3)] == ["r1:7000"] * 3
+    fail_until_open(router, "r1:7000", 0.0)  # two of them fail; the first is still out
+    assert [router.pick(1.0, cost=0.0) for _ in range(30)].count("r1:7000") == 1  # the probe
+    router.on_result("r1:7000", grpc.StatusCode.CANCELLED, 0.5, 1.0, cost=0.0)  # the old call
+    assert [router.pick(1.0, cost=0.0) for _ in range(30)].count("r1:7000") == 0  # probe still out
+    router.on_result("r1:7000", OK, 0.002, 1.01, cost=0.0)  # the probe answers
+    assert router.state("r1:7000", 1.01) is BreakerState.CLOSED

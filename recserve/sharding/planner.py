@@ -166,9 +166,9 @@ def budget_fill(
 ) -> dict[str, TablePlan]:
     """``placement = "budget"``: fill each shard's ``shard_memory_bytes``.
 
-    1. Tables without their own hot/warm fractions, smallest first, are replicated whole
+    1. Tables with their own fractions get exactly those (check_memory judges them).
+    2. Tables without their own hot/warm fractions, smallest first, are replicated whole
        while a whole copy fits what is left on every shard.
-    2. Tables with their own fractions get exactly those (check_memory judges them).
     3. The other tables' hot tiers take their most popular ids, up to ``hot_fraction``,
        while the budget lasts; then their warm tiers the next ids, up to
        ``warm_fraction``. The budget left over is shared among tables in table order.
@@ -176,14 +176,15 @@ def budget_fill(
     s = sharding.num_shards
     free = np.full(s, sharding.shard_memory_bytes, dtype=np.int64)
     plans: dict[str, TablePlan] = {}
-    for t in sorted((t for t in tables if not t.overrides_tiers), key=whole_copy_bytes):
-        if whole_copy_bytes(t) <= int(free.min()):
-            plans[t.name] = replicated_whole(t, s)
-            free -= whole_copy_bytes(t)
+    # Exact demands first: an optional whole copy must not take the room they need.
     for t in tables:
         if t.overrides_tiers:
             plans[t.name] = plan_table(t, probs.get(t.name), sharding)
             free -= _dram_per_shard(plans[t.name], s, sharding.virtual_nodes, seed)
+    for t in sorted((t for t in tables if not t.overrides_tiers), key=whole_copy_bytes):
+        if whole_copy_bytes(t) <= int(free.min()):
+            plans[t.name] = replicated_whole(t, s)
+            free -= whole_copy_bytes(t)
     rest = [t for t in tables if t.name not in plans]
     orders = {
         t.name: (np.arange(t.rows, dtype=np.int64) if t.name not in probs else np.argsort(-probs[t.name], kind="stable").astype(np.int64))

@@ -4,11 +4,12 @@ the transport settings the launcher passes to shard processes."""
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from recserve.config.spec import LookupConfig
+from recserve.config.spec import POLL_IO_EXPERIMENTS, LookupConfig
 from recserve.errors import ConfigError
 from recserve.lookup.client import LookupClient
 from recserve.lookup.transport import channel_options, transport_env
@@ -67,3 +68,20 @@ def test_transport_settings_become_process_env_and_channel_options() -> None:
         LookupConfig(grpc_experiments="x;rm -rf")
     with pytest.raises(ConfigError, match="lookup.http2_max_frame_bytes = 100"):
         LookupConfig(http2_max_frame_bytes=100)
+
+
+def test_launcher_default_transport_settings_do_not_inherit_the_parents_exports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The docs tell the client's process to export GRPC_EXPERIMENTS; shards launched from
+    # it with grpc_experiments = "" and 0 must still get gRPC's and glibc's defaults.
+    from recserve.cluster.shards import ShardCluster
+
+    monkeypatch.setenv("GRPC_EXPERIMENTS", POLL_IO_EXPERIMENTS)
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "123")
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "123")
+    defaults = transport_env(LookupConfig(grpc_experiments="", shard_malloc_mmap_threshold_bytes=0))
+    env = ShardCluster(tmp_path / "plan.json", tmp_path / "data", num_shards=1, env=defaults)._env()  # builds, starts nothing
+    assert not {"GRPC_EXPERIMENTS", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"} & set(env)
+    tuned = ShardCluster(tmp_path / "plan.json", tmp_path / "data", num_shards=1, env=transport_env(LookupConfig(shard_malloc_mmap_threshold_bytes=1 << 22)))._env()
+    assert (tuned["GRPC_EXPERIMENTS"], tuned["MALLOC_MMAP_THRESHOLD_"]) == (POLL_IO_EXPERIMENTS, str(1 << 22))
+    # Without transport settings the launcher leaves the inherited environment alone.
+    assert ShardCluster(tmp_path / "plan.json", tmp_path / "data", num_shards=1)._env()["GRPC_EXPERIMENTS"] == POLL_IO_EXPERIMENTS

@@ -128,3 +128,16 @@ def test_bad_overrides_name_the_table_and_field() -> None:
         plan_tables([TableConfig("item", 10, 4, hot_replicas=3)], None, ShardingConfig(num_shards=2))
     with pytest.raises(ConfigError, match="sharding.placement"):
         ShardingConfig(placement="greedy")
+
+
+def test_explicit_fractions_are_served_before_optional_whole_copies() -> None:
+    # 500 hot ids * 72 bytes on both shards = 36,000 of 100,000 bytes: the demand fits.
+    # The 1,000-row table's whole copy (72,000) is optional; it fits only without that
+    # demand, so it must not be placed first and leave the demand ResourceExhausted.
+    demand = TableConfig("item", 10_000, 16, hot_fraction=0.05, warm_fraction=0.0)
+    small = TableConfig("category", 1_000, 16)
+    res = plan_tables([demand, small], None, budget(100_000))
+    item, cat = res.plan.table("item"), res.plan.table("category")
+    assert (item.hot_ids.size, item.warm_ids.size) == (500, 0)
+    assert cat.num_cold > 0  # not replicated whole: no room left for a whole copy
+    assert int(res.bytes_per_shard["dram"].max()) <= 100_000

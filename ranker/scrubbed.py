@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from recserve.catalog.storage import MANIFEST, ClickLog, Csr, open_arrays
-from recserve.errors import FailedPrecondition, NotFound
+from recserve.catalog.storage import MANIFEST, ClickLog, Csr, open_arrays, read_manifest
+from recserve.errors import FailedPrecondition
 
 # The only arrays training may open (manifest names; files are `<name>.npy`).
 TRAINING_ARRAYS: tuple[str, ...] = (
@@ -76,17 +76,6 @@ class ScrubbedCatalog:
         return h.hexdigest()[:12]
 
 
-def _manifest(directory: Path) -> dict[str, Any]:
-    path = directory / MANIFEST
-    if not path.is_file():
-        raise NotFound(f"{directory} holds no catalog ({MANIFEST} missing); create one with `recserve catalog generate --out {directory}`")
-    try:
-        manifest: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise FailedPrecondition(f"{path} is unreadable ({exc}); regenerate the catalog") from exc
-    return manifest
-
-
 def open_scrubbed(path: Path | str) -> ScrubbedCatalog:
     """Open the scrubbed view of the catalog directory ``path`` (memory-mapped).
 
@@ -94,7 +83,7 @@ def open_scrubbed(path: Path | str) -> ScrubbedCatalog:
     manifest's config, so it works the same on a copy with the ground truth deleted.
     """
     directory = Path(path)
-    manifest = _manifest(directory)
+    manifest = read_manifest(directory)
     config = manifest.get("config", {})
     missing = [f for f in TRAINING_CONFIG_FIELDS if not isinstance(config.get(f), int)]
     if missing:
@@ -116,5 +105,5 @@ def open_scrubbed(path: Path | str) -> ScrubbedCatalog:
 def open_held_out(path: Path | str) -> ClickLog:
     """The held-out (test) split of the catalog at ``path``: evaluation only."""
     directory = Path(path)
-    a = open_arrays(directory, _manifest(directory), HELD_OUT_ARRAYS)
+    a = open_arrays(directory, read_manifest(directory), HELD_OUT_ARRAYS)
     return ClickLog(a["test.user"], a["test.item"], a["test.label"])

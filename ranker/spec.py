@@ -41,7 +41,7 @@ def cluster_spec_toml(manifest: dict[str, Any], models_dir: Path | str, *, num_s
         "window_ms = 1.0",
         "",
         "[ranker]",
-        'model = "dlrm"',
+        'models = ["dlrm", "two_tower", "l3"]',
         f"models_dir = {_toml_string(str(Path(models_dir).resolve()))}",
         "",
         "[cascade]",

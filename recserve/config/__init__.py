@@ -8,6 +8,7 @@ from recserve.config.spec import (
     GatewayConfig,
     LookupConfig,
     RankerConfig,
+    RoutingConfig,
     ShardingConfig,
     ShardServerConfig,
     TableConfig,
@@ -16,5 +17,5 @@ from recserve.config.spec import (
 
 __all__ = [
     "DEFAULT_SPEC", "default_config", "load", "loads", "CascadeConfig", "ClusterConfig", "FeatureConfig",
-    "GatewayConfig", "LookupConfig", "RankerConfig", "ShardingConfig", "ShardServerConfig", "TableConfig", "TenantConfig",
+    "GatewayConfig", "LookupConfig", "RankerConfig", "RoutingConfig", "ShardingConfig", "ShardServerConfig", "TableConfig", "TenantConfig",
 ]

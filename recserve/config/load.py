@@ -22,6 +22,7 @@ from recserve.config.spec import (
     GatewayConfig,
     LookupConfig,
     RankerConfig,
+    RoutingConfig,
     ShardingConfig,
     ShardServerConfig,
     TableConfig,
@@ -161,7 +162,7 @@ hot_replicas = 2
 window_ms = 1.0
 
 [ranker]
-model = "dlrm"
+models = ["dlrm", "two_tower", "l3"]
 models_dir = "models"
 
 [cascade]
@@ -192,6 +193,10 @@ def _coerce(field: str, value: Any, hint: Any) -> Any:
     """Check one TOML value against its dataclass field type; return it converted
     (ints to float for float fields, lists to tuples). Raises ConfigError naming
     ``field``, the value and the fix."""
+    if typing.get_origin(hint) is tuple and typing.get_args(hint)[0] is str:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{field} = {value!r} is invalid: use a list of quoted strings, e.g. [\"dlrm\", \"l3\"]")
+        return tuple(value)
     if typing.get_origin(hint) is tuple:
         items = value if isinstance(value, list) else None
         if items is None or not all(_is_number(v) for v in items):
@@ -267,6 +272,7 @@ def parse_spec(raw: dict[str, Any]) -> ClusterConfig:
         shard_server=section(ShardServerConfig, "shard_server"),
         lookup=section(LookupConfig, "lookup"),
         ranker=section(RankerConfig, "ranker"),
+        routing=section(RoutingConfig, "routing"),
         cascade=section(CascadeConfig, "cascade"),
         gateway=section(GatewayConfig, "gateway"),
         tenants=tenants,

@@ -201,27 +201,94 @@ class LookupConfig:
         _require(self.shard_malloc_mmap_threshold_bytes >= 0, "lookup.shard_malloc_mmap_threshold_bytes", self.shard_malloc_mmap_threshold_bytes, "use >= 0 bytes (0 = glibc's default)")
 
 
+MODEL_NAMES = ("dlrm", "two_tower", "l3")
+
+
 @dataclasses.dataclass(frozen=True)
 class RankerConfig:
-    """The Ranking service: which model scores, where, and the export it loads.
+    """The Ranking service (docs/architecture.md §7): the models it serves, where, the
+    export it loads and how it batches.
 
-    ``models_dir`` is a ``recserve train --out`` directory ('' = none yet); its dense
-    weights and the shards' tables must carry one ``model_version``.
+    ``models``: every model one process serves (a Rank request names one; '' = the
+    first). ``models_dir`` is a ``recserve train --out`` directory ('' = none yet); its
+    dense weights and the shards' tables must carry one ``model_version``.
+
+    Batching (DynamicBatchPolicy, cost = candidates): a batch holds up to
+    ``max_batch_candidates``; its window waits at most ``max_wait_ms`` (adaptive to the
+    arrival rate) and the SLO controller shrinks both when p99 nears ``slo_ms``.
+    ``batching = false`` runs one request per forward (the benchmark's baseline; lookups
+    still go through the lookup client). ``max_candidates`` caps one request (more is
+    INVALID_ARGUMENT: retrying cannot help). ``threads``: torch intra-op threads of the
+    forward executor (0 = torch's default; 1 is faster on a shared 2-core box).
+    ``default_timeout_ms`` bounds a request that carries no deadline.
     """
 
-    model: str = "dlrm"
+    models: tuple[str, ...] = MODEL_NAMES
     device: str = "auto"
-    max_batch_candidates: int = 4096
+    max_candidates: int = 4096
+    max_batch_candidates: int = 8192
     max_wait_ms: float = 2.0
     slo_ms: float = 50.0
+    batching: bool = True
+    max_inflight_batches: int = 2
+    threads: int = 1
+    default_timeout_ms: float = 1000.0
     models_dir: str = ""
 
     def __post_init__(self) -> None:
-        _require(self.model in ("dlrm", "two_tower", "l3"), "ranker.model", self.model, "use 'dlrm', 'two_tower' or 'l3'")
+        _require(len(self.models) > 0 and all(m in MODEL_NAMES for m in self.models) and len(set(self.models)) == len(self.models),
+                 "ranker.models[]", list(self.models), f"list distinct models among {list(MODEL_NAMES)}")
         _require(self.device in ("auto", "cpu", "cuda"), "ranker.device", self.device, "use 'auto', 'cpu' or 'cuda'")
-        _require(self.max_batch_candidates > 0, "ranker.max_batch_candidates", self.max_batch_candidates, "use a positive candidate count")
-        _require(self.max_wait_ms >= 0, "ranker.max_wait_ms", self.max_wait_ms, "use >= 0 ms")
+        _require(self.max_candidates > 0, "ranker.max_candidates", self.max_candidates, "use a positive candidate count")
+        _require(self.max_batch_candidates >= self.max_candidates, "ranker.max_batch_candidates", self.max_batch_candidates,
+                 f"use at least max_candidates ({self.max_candidates}): a batch must fit one whole request")
+        _require(0 <= self.max_wait_ms <= 1000, "ranker.max_wait_ms", self.max_wait_ms, "use 0..1000 ms")
         _require(self.slo_ms > 0, "ranker.slo_ms", self.slo_ms, "use a positive SLO in ms")
+        _require(1 <= self.max_inflight_batches <= 64, "ranker.max_inflight_batches", self.max_inflight_batches, "use 1..64 batches")
+        _require(0 <= self.threads <= 64, "ranker.threads", self.threads, "use 0..64 threads (0 = torch's default)")
+        _require(self.default_timeout_ms > 0, "ranker.default_timeout_ms", self.default_timeout_ms, "use a positive timeout in ms")
+
+
+ROUTING_POLICIES = ("two_choices", "weighted_random", "least_loaded")
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingConfig:
+    """How one replica set is routed (docs/architecture.md §9; defaults: reference §10.11).
+
+    * ``policy``: a :class:`~recserve.routing.choice.ChoiceKind` value (``two_choices``;
+      ``weighted_random`` / ``least_loaded`` are baselines for benchmarks).
+    * ``retry_budget`` / ``retry_burst``: retries + hedges stay within ``retry_budget`` x
+      primary calls + ``retry_burst`` (:class:`~recserve.routing.budget.RetryBudget`).
+    * ``breaker_failures`` consecutive retryable failures open a replica's breaker for
+      ``breaker_open_ms``; then ``half_open_probes`` calls at a time test it.
+    * ``affinity_virtual_nodes`` / ``affinity_seed``: the session-affinity ring.
+    * ``hedge_percentile``: the hedge delay is this percentile of a replica's recent
+      latency (:class:`~recserve.routing.latency.LatencyTracker`), floored at
+      ``hedge_min_ms``.
+    """
+
+    policy: str = "two_choices"
+    retry_budget: float = 0.1
+    retry_burst: float = 10.0
+    breaker_failures: int = 3
+    breaker_open_ms: float = 500.0
+    half_open_probes: int = 1
+    affinity_virtual_nodes: int = 128
+    affinity_seed: int = 0
+    hedge_percentile: float = 95.0
+    hedge_min_ms: float = 2.0
+
+    def __post_init__(self) -> None:
+        _require(self.policy in ROUTING_POLICIES, "routing.policy", self.policy, f"use one of {list(ROUTING_POLICIES)}")
+        _require(0.0 <= self.retry_budget <= 1.0, "routing.retry_budget", self.retry_budget, "use a fraction of primary calls in [0, 1]")
+        _require(self.retry_burst >= 0.0, "routing.retry_burst", self.retry_burst, "use >= 0 tokens")
+        _require(self.breaker_failures >= 1, "routing.breaker_failures", self.breaker_failures, "use at least 1 failure")
+        _require(self.breaker_open_ms > 0, "routing.breaker_open_ms", self.breaker_open_ms, "use a positive duration in ms")
+        _require(self.half_open_probes >= 1, "routing.half_open_probes", self.half_open_probes, "let at least 1 probe through")
+        _require(self.affinity_virtual_nodes >= 1, "routing.affinity_virtual_nodes", self.affinity_virtual_nodes, "use at least 1 point per replica")
+        _require(50.0 <= self.hedge_percentile < 100.0, "routing.hedge_percentile", self.hedge_percentile, "use a percentile in [50, 100)")
+        _require(self.hedge_min_ms >= 0.0, "routing.hedge_min_ms", self.hedge_min_ms, "use >= 0 ms")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,6 +348,7 @@ class ClusterConfig:
     shard_server: ShardServerConfig = ShardServerConfig()
     lookup: LookupConfig = LookupConfig()
     ranker: RankerConfig = RankerConfig()
+    routing: RoutingConfig = RoutingConfig()
     cascade: CascadeConfig = CascadeConfig()
     gateway: GatewayConfig = GatewayConfig()
     tenants: tuple[TenantConfig, ...] = ()

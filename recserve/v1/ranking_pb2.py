@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from recserve.v1 import common_pb2 as recserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19recserve/v1/ranking.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"\x85\x01\n\x0bRankRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x0f\n\x07user_id\x18\x02 \x01(\x03\x12*\n\rcandidate_ids\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\r\n\x05model\x18\x04 \x01(\t\"\x9b\x01\n\x0cRankResponse\x12%\n\x08item_ids\x18\x01 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12#\n\x06scores\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x10\n\x08\x64\x65graded\x18\x03 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x04 \x01(\t\x12\x14\n\x0cmissing_rows\x18\x05 \x01(\x03\x32\x46\n\x07Ranking\x12;\n\x04Rank\x12\x18.recserve.v1.RankRequest\x1a\x19.recserve.v1.RankResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19recserve/v1/ranking.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"\xb4\x01\n\x0bRankRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x0f\n\x07user_id\x18\x02 \x01(\x03\x12*\n\rcandidate_ids\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\r\n\x05model\x18\x04 \x01(\t\x12-\n\x10history_item_ids\x18\x05 \x01(\x0b\x32\x13.recserve.v1.Tensor\"\xc1\x01\n\x0cRankResponse\x12%\n\x08item_ids\x18\x01 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12#\n\x06scores\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x10\n\x08\x64\x65graded\x18\x03 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x04 \x01(\t\x12\x14\n\x0cmissing_rows\x18\x05 \x01(\x03\x12\x15\n\rmodel_version\x18\x06 \x01(\t\x12\r\n\x05model\x18\x07 \x01(\t\"~\n\x10\x45mbedUserRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x0f\n\x07user_id\x18\x02 \x01(\x03\x12-\n\x10history_item_ids\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\"\x90\x01\n\x11\x45mbedUserResponse\x12#\n\x06vector\x18\x01 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x03 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x04 \x01(\t\x12\x14\n\x0cmissing_rows\x18\x05 \x01(\x03\x32\x92\x01\n\x07Ranking\x12;\n\x04Rank\x12\x18.recserve.v1.RankRequest\x1a\x19.recserve.v1.RankResponse\x12J\n\tEmbedUser\x12\x1d.recserve.v1.EmbedUserRequest\x1a\x1e.recserve.v1.EmbedUserResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'recserve.v1.ranking_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RANKREQUEST']._serialized_start=69
-  _globals['_RANKREQUEST']._serialized_end=202
-  _globals['_RANKRESPONSE']._serialized_start=205
-  _globals['_RANKRESPONSE']._serialized_end=360
-  _globals['_RANKING']._serialized_start=362
-  _globals['_RANKING']._serialized_end=432
+  _globals['_RANKREQUEST']._serialized_end=249
+  _globals['_RANKRESPONSE']._serialized_start=252
+  _globals['_RANKRESPONSE']._serialized_end=445
+  _globals['_EMBEDUSERREQUEST']._serialized_start=447
+  _globals['_EMBEDUSERREQUEST']._serialized_end=573
+  _globals['_EMBEDUSERRESPONSE']._serialized_start=576
+  _globals['_EMBEDUSERRESPONSE']._serialized_end=720
+  _globals['_RANKING']._serialized_start=723
+  _globals['_RANKING']._serialized_end=869
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class RankingStub:
-    """Scores a given candidate list for one user.
+    """Scores a given candidate list for one user, and embeds users for retrieval. One
+    process serves every model of its export (ranker.models); concurrent calls are
+    batched, and each batch's sparse features go through one feature-parallel lookup.
     """
 
     def __init__(self, channel):
@@ -40,14 +42,28 @@ class RankingStub:
                 request_serializer=recserve_dot_v1_dot_ranking__pb2.RankRequest.SerializeToString,
                 response_deserializer=recserve_dot_v1_dot_ranking__pb2.RankResponse.FromString,
                 _registered_method=True)
+        self.EmbedUser = channel.unary_unary(
+                '/recserve.v1.Ranking/EmbedUser',
+                request_serializer=recserve_dot_v1_dot_ranking__pb2.EmbedUserRequest.SerializeToString,
+                response_deserializer=recserve_dot_v1_dot_ranking__pb2.EmbedUserResponse.FromString,
+                _registered_method=True)
 
 
 class RankingServicer:
-    """Scores a given candidate list for one user.
+    """Scores a given candidate list for one user, and embeds users for retrieval. One
+    process serves every model of its export (ranker.models); concurrent calls are
+    batched, and each batch's sparse features go through one feature-parallel lookup.
     """
 
     def Rank(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmbedUser(self, request, context):
+        """The two-tower user vector: what the cascade's L0 (FAISS) and L1 query with.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -60,6 +76,11 @@ def add_RankingServicer_to_server(servicer, server):
                     request_deserializer=recserve_dot_v1_dot_ranking__pb2.RankRequest.FromString,
                     response_serializer=recserve_dot_v1_dot_ranking__pb2.RankResponse.SerializeToString,
             ),
+            'EmbedUser': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmbedUser,
+                    request_deserializer=recserve_dot_v1_dot_ranking__pb2.EmbedUserRequest.FromString,
+                    response_serializer=recserve_dot_v1_dot_ranking__pb2.EmbedUserResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'recserve.v1.Ranking', rpc_method_handlers)
@@ -69,7 +90,9 @@ def add_RankingServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Ranking:
-    """Scores a given candidate list for one user.
+    """Scores a given candidate list for one user, and embeds users for retrieval. One
+    process serves every model of its export (ranker.models); concurrent calls are
+    batched, and each batch's sparse features go through one feature-parallel lookup.
     """
 
     @staticmethod
@@ -89,6 +112,33 @@ class Ranking:
             '/recserve.v1.Ranking/Rank',
             recserve_dot_v1_dot_ranking__pb2.RankRequest.SerializeToString,
             recserve_dot_v1_dot_ranking__pb2.RankResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmbedUser(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recserve.v1.Ranking/EmbedUser',
+            recserve_dot_v1_dot_ranking__pb2.EmbedUserRequest.SerializeToString,
+            recserve_dot_v1_dot_ranking__pb2.EmbedUserResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -75,3 +75,10 @@ def test_factory_and_least_loaded_baseline() -> None:
     assert ll.choose(np.array([4.0, 3.0, 1.0]), np.array([1.0, 1.0, 0.1]), np.ones(3, dtype=bool)) == 1
     with pytest.raises(ConfigError, match="routing.policy = 'round_robin'"):
         make_choice_policy("round_robin")
+
+
+def test_the_specs_routing_policy_names_are_the_choice_kinds() -> None:
+    from recserve.config.spec import ROUTING_POLICIES
+    from recserve.routing import ChoiceKind
+
+    assert sorted(ROUTING_POLICIES) == sorted(k.value for k in ChoiceKind)

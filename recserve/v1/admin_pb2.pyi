@@ -1,0 +1,52 @@
+from recserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ReloadModelsRequest(_message.Message):
+    __slots__ = ("header", "models_dir", "model_version", "admin_token")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    MODELS_DIR_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    models_dir: str
+    model_version: str
+    admin_token: str
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., models_dir: _Optional[str] = ..., model_version: _Optional[str] = ..., admin_token: _Optional[str] = ...) -> None: ...
+
+class ReloadModelsResponse(_message.Message):
+    __slots__ = ("model_version", "previous_version", "tables", "load_seconds")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    model_version: str
+    previous_version: str
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    load_seconds: float
+    def __init__(self, model_version: _Optional[str] = ..., previous_version: _Optional[str] = ..., tables: _Optional[_Iterable[str]] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class ModelStatusRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
+
+class ModelStatusResponse(_message.Message):
+    __slots__ = ("model_version", "models_dir", "models", "tables", "reloads")
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODELS_DIR_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    RELOADS_FIELD_NUMBER: _ClassVar[int]
+    model_version: str
+    models_dir: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    tables: _containers.RepeatedScalarFieldContainer[str]
+    reloads: int
+    def __init__(self, model_version: _Optional[str] = ..., models_dir: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[str]] = ..., reloads: _Optional[int] = ...) -> None: ...

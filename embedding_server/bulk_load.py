@@ -22,7 +22,11 @@ the click model's ground truth, and a shard must not serve them by accident.
 
 Model versions: a source directory whose ``manifest.json`` carries a ``model_version``
 (an export's ``embeddings/manifest.json``) stamps it on the load record;
-:func:`table_model_versions` reads back the version each table was last loaded from.
+:func:`table_model_versions` reads back the version each table was last loaded from. A
+source staged from several exports (:func:`ranker.rollout.stage_exports`: one version
+under plain table names, the others version-prefixed beside it) carries
+``model_versions`` (table -> version) instead; :func:`source_model_versions` reads it and
+the load records each table's own version, so ShardInfo reports each table's own.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import rocksdict
@@ -47,7 +52,17 @@ from embedding_server.manifest import check_no_upserts_lost, manifest_key, read_
 from embedding_server.store import RowStore, sst_options
 from recserve.errors import ConfigError, InvalidArgument
 
-__all__ = ["LoadMethod", "LoadReport", "bulk_load", "manifest_key", "open_source", "read_manifest", "source_model_version", "table_model_versions"]
+__all__ = [
+    "LoadMethod",
+    "LoadReport",
+    "bulk_load",
+    "manifest_key",
+    "open_source",
+    "read_manifest",
+    "source_model_version",
+    "source_model_versions",
+    "table_model_versions",
+]
 
 log = logging.getLogger(__name__)
 
@@ -105,20 +120,46 @@ def open_source(path: str | Path, tables: list[str]) -> tuple[dict[str, np.ndarr
     return arrays, digest.hexdigest()[:16]
 
 
+def _source_manifest(path: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(manifest path, body) of a source directory's ``manifest.json`` (its
+    ``embeddings/`` subdirectory first, as :func:`open_source` reads it); body {} when
+    the source is no directory or has no readable manifest."""
+    src = Path(path)
+    base = src / "embeddings" if (src / "embeddings").is_dir() else src
+    file = base / "manifest.json"
+    if not src.is_dir():
+        return file, {}
+    try:
+        body = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError):
+        return file, {}
+    return file, body if isinstance(body, dict) else {}
+
+
 def source_model_version(path: str | Path) -> str:
     """The ``model_version`` in a source directory's ``manifest.json`` (its
     ``embeddings/`` subdirectory first, as :func:`open_source` reads it); '' when the
     source carries none."""
-    src = Path(path)
-    if not src.is_dir():
-        return ""
-    base = src / "embeddings" if (src / "embeddings").is_dir() else src
-    try:
-        body = json.loads((base / "manifest.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return ""
-    version = body.get("model_version") if isinstance(body, dict) else None
+    version = _source_manifest(path)[1].get("model_version")
     return version if isinstance(version, str) else ""
+
+
+def source_model_versions(path: str | Path) -> dict[str, str] | None:
+    """table -> ``model_version`` from a staged multi-version source's ``manifest.json``
+    (its ``model_versions``, as :func:`ranker.rollout.stage_exports` writes it); None
+    for every other source, whose load keeps recording one ``model_version``.
+
+    A ``model_versions`` that is not an object of strings is a ConfigError: loading the
+    tables under a version guessed from half a manifest could serve one training run's
+    rows to another's dense weights.
+    """
+    file, body = _source_manifest(path)
+    if "model_versions" not in body:
+        return None
+    versions = body["model_versions"]
+    if not isinstance(versions, dict) or not all(isinstance(t, str) and isinstance(v, str) for t, v in versions.items()):
+        raise ConfigError(f"load source {str(file)!r}: model_versions = {versions!r} is invalid; use an object of table name -> model_version strings (re-stage the source)")
+    return dict(versions)
 
 
 def table_model_versions(store: RowStore) -> dict[str, str]:
@@ -185,6 +226,7 @@ def bulk_load(
     overwrite: bool = False,
     progress: bool = True,
     model_version: str = "",
+    model_versions: Mapping[str, str] | None = None,
 ) -> LoadReport:
     """Load this shard's owned rows of every table from ``source`` (table -> [rows, dim]).
 
@@ -192,7 +234,9 @@ def bulk_load(
     ``force``. Refused (FailedPrecondition) when the store holds upserts newer than its
     last load, unless ``overwrite`` (or ``force``, which re-runs a load regardless).
     The manifest entry is written only after the rows are durable; it records
-    ``model_version`` (:func:`source_model_version` of the source).
+    ``model_version`` (:func:`source_model_version` of the source) for every table, or,
+    when ``model_versions`` is given (:func:`source_model_versions` of a staged source),
+    each loaded table's own version (``model_version`` for a table it does not name).
     """
     from tqdm import tqdm
 
@@ -220,7 +264,12 @@ def bulk_load(
             store.flush()  # WAL-less rows must reach SST files before the load is recorded
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    record_load(store, key, {"kind": "load", "rows": written, "method": method.value, "wal": False, "model_version": model_version})
+    record: dict[str, Any] = {"kind": "load", "rows": written, "method": method.value, "wal": False}
+    if model_versions is None:
+        record["model_version"] = model_version
+    else:  # a staged source: versions side by side, each table its own
+        record["model_versions"] = {name: model_versions.get(name, model_version) for name in layouts}
+    record_load(store, key, record)
     return LoadReport(key=key, skipped=False, rows_written=written, seconds=time.monotonic() - start, method=method, overwritten_upserts=state.pending_upserts)
 
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from grpc_health.v1 import health_pb2
 
-from embedding_server.bulk_load import bulk_load, open_source, source_model_version, table_model_versions
+from embedding_server.bulk_load import bulk_load, open_source, source_model_version, source_model_versions, table_model_versions
 from embedding_server.config import ShardProcessConfig
 from embedding_server.fault import FaultInjector, hook_enabled_by_env
 from embedding_server.layout import TableLayout, layouts_from_plan
@@ -82,6 +82,7 @@ def load_core(config: ShardProcessConfig, plan: ShardingPlan, layouts: dict[str,
             report = bulk_load(
                 store, layouts, source, source_id=source_id, plan_version=plan.version, shard_id=config.shard_id,
                 overwrite=config.overwrite_upserts, progress=False, model_version=source_model_version(config.load_from),
+                model_versions=source_model_versions(config.load_from),
             )  # fmt: skip
             log.info("shard %d bulk load %s: skipped=%s rows=%s", config.shard_id, report.key, report.skipped, report.rows_written)
         core = ShardCore(

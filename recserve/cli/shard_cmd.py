@@ -166,7 +166,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _load(args: argparse.Namespace) -> int:
-    from embedding_server.bulk_load import LoadMethod, bulk_load, open_source, source_model_version
+    from embedding_server.bulk_load import LoadMethod, bulk_load, open_source, source_model_version, source_model_versions
     from embedding_server.layout import layouts_from_plan
     from embedding_server.server import data_paths
     from embedding_server.store import RowStore
@@ -180,7 +180,7 @@ def _load(args: argparse.Namespace) -> int:
         report = bulk_load(
             store, layouts, source, source_id=source_id, plan_version=plan.version, shard_id=args.shard_id,
             method=LoadMethod(args.method), force=args.force, overwrite=args.overwrite, progress=not args.json and sys.stderr.isatty(),
-            model_version=source_model_version(args.source),
+            model_version=source_model_version(args.source), model_versions=source_model_versions(args.source),
         )  # fmt: skip
     finally:
         store.close()

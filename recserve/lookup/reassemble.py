@@ -175,6 +175,7 @@ def resolve_callers(
     rows_out: list[dict[str, torch.Tensor]] = [{} for _ in group]
     lengths_out: list[dict[str, torch.Tensor]] = [{} for _ in group]
     missing = [dict.fromkeys(callers[c].keys, 0) for c in group]
+    missing_bags: list[dict[str, np.ndarray]] = [{} for _ in group]
     not_found = [0] * len(group)
 
     for table, w in windows.items():
@@ -188,13 +189,19 @@ def resolve_callers(
         for flags, kind in ((~complete, "missing"), (asm.not_found, "not_found")):
             if not flags.any():
                 continue  # the common case: nothing to count
-            cum = np.concatenate(([0], np.cumsum(np.take(flags, w.inverse))))
+            occ_flags = np.take(flags, w.inverse)
+            cum = np.concatenate(([0], np.cumsum(occ_flags)))
             counts = _per_feature(cum, w, member_callers, parts).tolist()
+            per_bag = np.bincount(w.occurrence_bags()[occ_flags], minlength=w.bag_lengths.shape[0]) if kind == "missing" else None
             k = 0
-            for j, part in zip(members, parts):
-                for f in part.features:
+            for j, (c, part) in zip(members, zip(member_callers, parts)):
+                b = callers[c].batch_size
+                for i, f in enumerate(part.features):
                     if kind == "missing":
                         missing[j][f] += counts[k]
+                        if counts[k] and per_bag is not None:
+                            lo = int(w.bag_offsets[c]) + i * b
+                            missing_bags[j][f] = per_bag[lo : lo + b]
                     else:
                         not_found[j] += counts[k]
                     k += 1
@@ -249,5 +256,5 @@ def resolve_callers(
             dims = [int(blocks[j][f].shape[1]) for f in caller.keys]
             pooled_kt = KeyedTensor(keys=list(caller.keys), length_per_key=dims, values=values)
         m = missing[j]
-        results.append(LookupResult(pooled=pooled_kt, rows=rows_out[j], lengths=lengths_out[j], missing=sum(m.values()), missing_by_feature=m, not_found=not_found[j]))
+        results.append(LookupResult(pooled=pooled_kt, rows=rows_out[j], lengths=lengths_out[j], missing=sum(m.values()), missing_by_feature=m, not_found=not_found[j], missing_bags=missing_bags[j]))
     return results

@@ -65,7 +65,9 @@ class LookupResult:
     the table's default row because no owner's reply arrived in time (dead or late
     shard, id with no live owner, a column slice missing); ``degraded`` is
     ``missing > 0``. ``not_found`` counts ids a shard answered but does not store (a
-    default row by contract, never an error, not degraded).
+    default row by contract, never an error, not degraded). ``missing_bags[f]``: int64
+    ``[B]``, the missing ids of each of feature ``f``'s bags, for the features with any
+    (so a caller batching several requests into one lookup can attribute them).
     """
 
     pooled: "KeyedTensor | None"
@@ -74,6 +76,7 @@ class LookupResult:
     missing: int
     missing_by_feature: dict[str, int]
     not_found: int
+    missing_bags: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @property
     def degraded(self) -> bool:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from recserve.v1 import common_pb2 as recserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17recserve/v1/admin.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"\x81\x01\n\x13ReloadModelsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x12\n\nmodels_dir\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x13\n\x0b\x61\x64min_token\x18\x04 \x01(\t\"m\n\x14ReloadModelsResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x18\n\x10previous_version\x18\x02 \x01(\t\x12\x0e\n\x06tables\x18\x03 \x03(\t\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"@\n\x12ModelStatusRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\"q\n\x13ModelStatusResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x12\n\nmodels_dir\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x0e\n\x06tables\x18\x04 \x03(\t\x12\x0f\n\x07reloads\x18\x05 \x01(\x03\x32\xae\x01\n\x05\x41\x64min\x12S\n\x0cReloadModels\x12 .recserve.v1.ReloadModelsRequest\x1a!.recserve.v1.ReloadModelsResponse\x12P\n\x0bModelStatus\x12\x1f.recserve.v1.ModelStatusRequest\x1a .recserve.v1.ModelStatusResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17recserve/v1/admin.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"\x81\x01\n\x13ReloadModelsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x12\n\nmodels_dir\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x13\n\x0b\x61\x64min_token\x18\x04 \x01(\t\"m\n\x14ReloadModelsResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x18\n\x10previous_version\x18\x02 \x01(\t\x12\x0e\n\x06tables\x18\x03 \x03(\t\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"@\n\x12ModelStatusRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\"\xdc\x01\n\x13ModelStatusResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x12\n\nmodels_dir\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x0e\n\x06tables\x18\x04 \x03(\t\x12\x0f\n\x07reloads\x18\x05 \x01(\x03\x12\x10\n\x08\x66orwards\x18\x06 \x01(\x03\x12\x10\n\x08requests\x18\x07 \x01(\x03\x12\x16\n\x0elookup_windows\x18\x08 \x01(\x03\x12\x12\n\nlookup_ids\x18\t \x01(\x03\x12\x19\n\x11lookup_unique_ids\x18\n \x01(\x03\x32\xae\x01\n\x05\x41\x64min\x12S\n\x0cReloadModels\x12 .recserve.v1.ReloadModelsRequest\x1a!.recserve.v1.ReloadModelsResponse\x12P\n\x0bModelStatus\x12\x1f.recserve.v1.ModelStatusRequest\x1a .recserve.v1.ModelStatusResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,8 +38,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RELOADMODELSRESPONSE']._serialized_end=307
   _globals['_MODELSTATUSREQUEST']._serialized_start=309
   _globals['_MODELSTATUSREQUEST']._serialized_end=373
-  _globals['_MODELSTATUSRESPONSE']._serialized_start=375
-  _globals['_MODELSTATUSRESPONSE']._serialized_end=488
-  _globals['_ADMIN']._serialized_start=491
-  _globals['_ADMIN']._serialized_end=665
+  _globals['_MODELSTATUSRESPONSE']._serialized_start=376
+  _globals['_MODELSTATUSRESPONSE']._serialized_end=596
+  _globals['_ADMIN']._serialized_start=599
+  _globals['_ADMIN']._serialized_end=773
 # @@protoc_insertion_point(module_scope)

@@ -38,15 +38,25 @@ class ModelStatusRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ...) -> None: ...
 
 class ModelStatusResponse(_message.Message):
-    __slots__ = ("model_version", "models_dir", "models", "tables", "reloads")
+    __slots__ = ("model_version", "models_dir", "models", "tables", "reloads", "forwards", "requests", "lookup_windows", "lookup_ids", "lookup_unique_ids")
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MODELS_DIR_FIELD_NUMBER: _ClassVar[int]
     MODELS_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     RELOADS_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_WINDOWS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_UNIQUE_IDS_FIELD_NUMBER: _ClassVar[int]
     model_version: str
     models_dir: str
     models: _containers.RepeatedScalarFieldContainer[str]
     tables: _containers.RepeatedScalarFieldContainer[str]
     reloads: int
-    def __init__(self, model_version: _Optional[str] = ..., models_dir: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[str]] = ..., reloads: _Optional[int] = ...) -> None: ...
+    forwards: int
+    requests: int
+    lookup_windows: int
+    lookup_ids: int
+    lookup_unique_ids: int
+    def __init__(self, model_version: _Optional[str] = ..., models_dir: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., tables: _Optional[_Iterable[str]] = ..., reloads: _Optional[int] = ..., forwards: _Optional[int] = ..., requests: _Optional[int] = ..., lookup_windows: _Optional[int] = ..., lookup_ids: _Optional[int] = ..., lookup_unique_ids: _Optional[int] = ...) -> None: ...

@@ -426,3 +426,29 @@ def test_upsert_with_non_integer_ids_is_refused_not_truncated() -> None:
     with pytest.raises(InvalidArgument, match="dtype float64"):
         run(client, body)
     assert fake.upserts == []  # nothing written (a cast would have written id 1)
+
+
+@pytest.mark.parametrize("pooled", [True, False])
+def test_missing_rows_are_attributed_to_their_bags(pooled: bool) -> None:
+    """A caller batching several requests into one lookup (the Ranking service) needs each
+    bag's missing count, not only the caller's total."""
+    plan, _ = make_plan()
+    fake = FakeShards(plan, make_weights())
+    client = LookupClient(make_config(), plan, fake)
+    cold = tier_ids(plan, "item", Tier.COLD)
+    owner = plan.router("item").cold_owners_of(cold)[:, 0]
+    on2, elsewhere = cold[owner == 2][:3], cold[owner != 2][:3]
+    # bags: [2 dead, 0] [0 dead] [1 dead + 1 live]; a second caller in the window has its own bags.
+    values = np.concatenate((on2[:2], elsewhere[:1], on2[2:3], elsewhere[1:2]))
+    kjt = KeyedJaggedTensor(keys=["item_id"], values=torch.from_numpy(values), lengths=torch.tensor([2, 1, 2]))
+
+    async def body() -> tuple[LookupResult, LookupResult]:
+        fake.set_blocked(2)
+        other = asyncio.ensure_future(client.lookup(item_kjt(np.concatenate((elsewhere[2:], on2[:1]))), pooled=pooled, timeout_s=0.3))
+        mine = await client.lookup(kjt, pooled=pooled, timeout_s=0.3)
+        fake.release(2)
+        return mine, await other
+
+    mine, other = run(client, body)
+    assert mine.missing == 3 and mine.missing_bags["item_id"].tolist() == [2, 0, 1]
+    assert other.missing == 1 and other.missing_bags["item_id"].tolist() == [1]

@@ -1,0 +1,236 @@
+"""The ranker process (``recserve ranker serve``): Ranking and Admin over gRPC, health,
+reflection, start-up and shutdown.
+
+Start-up order, so readiness is honest:
+
+1. bind and start the grpc.aio server (:func:`recserve.rpc.server.make_server`); health
+   reports NOT_SERVING for "", ``recserve.v1.Ranking`` and ``recserve.v1.Admin``; the
+   port goes to ``port_file`` (atomically) for launchers that asked for port 0;
+2. read every shard's ShardInfo (the model_version of each table) and the plan (GetPlan);
+3. load the export and start the lookup client (:func:`ranker.service.open_model_set`:
+   FAILED_PRECONDITION, and the process exits non-zero, when the shards do not serve
+   this export's tables at its version);
+4. health -> SERVING.
+
+SIGTERM / SIGINT: health NOT_SERVING, in-flight RPCs get a grace period, then the lookup
+client and executors close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import os
+import signal
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2
+
+from ranker.batch import QueryKind
+from ranker.serving import versions_from_shard_info
+from ranker.service import Answer, RankingCore, open_model_set
+from recserve.config.spec import ClusterConfig
+from recserve.errors import InvalidArgument, PermissionDenied, RecserveError, Unavailable
+from recserve.rpc.deadline import RequestContext, context_from_header
+from recserve.rpc.server import add_health_and_reflection, make_server
+from recserve.rpc.status import abort_with, error_from_code
+from recserve.rpc.tensors import pack, unpack
+from recserve.sharding.plan import ShardingPlan
+from recserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, embedding_pb2, ranking_pb2, ranking_pb2_grpc
+from recserve.v1.embedding_pb2_grpc import EmbeddingShardStub
+
+log = logging.getLogger(__name__)
+
+RANKING_SERVICE = ranking_pb2.DESCRIPTOR.services_by_name["Ranking"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+ADMIN_TOKEN_ENV = "RECSERVE_ADMIN_TOKEN"
+MAX_MESSAGE_BYTES = 64 << 20
+GRACE_S = 2.0
+SHARD_INFO_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerProcessConfig:
+    """One ranker process: the cluster spec, the export, the shards, where to listen."""
+
+    cluster: ClusterConfig
+    models_dir: str
+    shard_addresses: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    port_file: str = ""
+    admin_token: str = ""
+
+
+def _ids(tensor: common_pb2.Tensor, field: str) -> np.ndarray:
+    """An optional INT64 (or INT32) id tensor of rank 1 -> int64 [n]."""
+    if not tensor.data and not tensor.shape:
+        return np.zeros(0, dtype=np.int64)
+    array = unpack(tensor, field, expect_ndim=1)
+    if array.dtype.kind not in "iu":
+        raise InvalidArgument(f"{field}: dtype is {common_pb2.DType.Name(tensor.dtype)}; send item ids as INT64")
+    return array.astype(np.int64, copy=False)
+
+
+class CoreSlot:
+    """Where the servicers find the core: empty while the process is still loading (the
+    server is already listening, so health can say NOT_SERVING)."""
+
+    def __init__(self) -> None:
+        self.core: RankingCore | None = None
+
+    def get(self) -> RankingCore:
+        if self.core is None:
+            raise Unavailable("the ranker is still loading its models and shard tables; retry shortly", retry_after_s=1.0)
+        return self.core
+
+
+def _context(header: common_pb2.RequestHeader, context: grpc.aio.ServicerContext, core: RankingCore) -> RequestContext:
+    return context_from_header(header, context.time_remaining(), default_timeout_s=core.config.default_timeout_ms / 1e3)
+
+
+def _reason(answer: Answer) -> str:
+    return ",".join(answer.degraded_reasons)
+
+
+class RankingServicer(ranking_pb2_grpc.RankingServicer):
+    def __init__(self, slot: CoreSlot) -> None:
+        self.slot = slot
+
+    async def Rank(self, request: ranking_pb2.RankRequest, context: grpc.aio.ServicerContext) -> ranking_pb2.RankResponse:
+        try:
+            core = self.slot.get()
+            ctx = _context(request.header, context, core)
+            query = core.query(QueryKind.RANK, request.model, request.user_id, _ids(request.candidate_ids, "candidate_ids"), _ids(request.history_item_ids, "history_item_ids"))
+            a = await core.submit(query, deadline=ctx.deadline, tenant=ctx.tenant, priority=ctx.priority, request_id=ctx.request_id)
+        except RecserveError as exc:
+            await abort_with(context, exc)
+            raise  # unreachable: abort raises
+        return ranking_pb2.RankResponse(
+            item_ids=pack(a.item_ids), scores=pack(a.scores), degraded=a.degraded, degraded_reason=_reason(a),
+            missing_rows=a.missing_rows, model_version=a.model_version, model=a.model,
+        )  # fmt: skip
+
+    async def EmbedUser(self, request: ranking_pb2.EmbedUserRequest, context: grpc.aio.ServicerContext) -> ranking_pb2.EmbedUserResponse:
+        try:
+            core = self.slot.get()
+            ctx = _context(request.header, context, core)
+            query = core.query(QueryKind.EMBED, "", request.user_id, np.zeros(0, np.int64), _ids(request.history_item_ids, "history_item_ids"))
+            a = await core.submit(query, deadline=ctx.deadline, tenant=ctx.tenant, priority=ctx.priority, request_id=ctx.request_id)
+        except RecserveError as exc:
+            await abort_with(context, exc)
+            raise
+        assert a.vector is not None
+        return ranking_pb2.EmbedUserResponse(vector=pack(a.vector), model_version=a.model_version, degraded=a.degraded, degraded_reason=_reason(a), missing_rows=a.missing_rows)
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, slot: CoreSlot, process: RankerProcessConfig) -> None:
+        self.slot = slot
+        self.process = process
+        self._reloading = asyncio.Lock()
+
+    async def ReloadModels(self, request: admin_pb2.ReloadModelsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ReloadModelsResponse:
+        try:
+            core = self.slot.get()
+            token = self.process.admin_token
+            if token and not hmac.compare_digest(request.admin_token.encode(), token.encode()):
+                raise PermissionDenied("Admin.ReloadModels needs the admin token (admin_token)")
+            if not request.models_dir:
+                raise InvalidArgument("models_dir is empty: name the `recserve train --out` directory to load")
+            if self._reloading.locked():
+                raise Unavailable("another ReloadModels is in progress; retry when it has finished", retry_after_s=1.0)
+            async with self._reloading:
+                t0 = time.perf_counter()
+                plan, reported = await shard_state(self.process.shard_addresses)
+                new = await open_model_set(self.process.cluster, request.models_dir, self.process.shard_addresses, plan=plan, reported=reported, expected_version=request.model_version)
+                old = await core.reload(new)
+        except RecserveError as exc:
+            await abort_with(context, exc)
+            raise
+        return admin_pb2.ReloadModelsResponse(model_version=new.version, previous_version=old.version, tables=sorted(new.served.values()), load_seconds=time.perf_counter() - t0)
+
+    async def ModelStatus(self, request: admin_pb2.ModelStatusRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ModelStatusResponse:
+        try:
+            core = self.slot.get()
+        except RecserveError as exc:
+            await abort_with(context, exc)
+            raise
+        ms = core.current
+        st = ms.client.stats
+        return admin_pb2.ModelStatusResponse(
+            model_version=ms.version, models_dir=str(ms.export.path), models=sorted(ms.models), tables=sorted(ms.served.values()), reloads=core.reloads,
+            forwards=core.forwards, requests=core.requests, lookup_windows=st.windows, lookup_ids=st.ids_requested, lookup_unique_ids=st.ids_unique,
+        )  # fmt: skip
+
+
+async def shard_state(addresses: Sequence[str]) -> tuple[ShardingPlan, dict[str, str]]:
+    """(the shards' newest plan, table -> model_version over every shard)."""
+    infos = []
+    plan: ShardingPlan | None = None
+    for k, address in enumerate(addresses):
+        async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]) as channel:
+            stub = EmbeddingShardStub(channel)
+            try:
+                infos.append(await stub.ShardInfo(embedding_pb2.ShardInfoRequest(), timeout=SHARD_INFO_TIMEOUT_S))
+                reply = await stub.GetPlan(embedding_pb2.GetPlanRequest(), timeout=SHARD_INFO_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                raise error_from_code(exc.code(), f"shard {k} at {address}: {exc.details()}") from None
+            got = ShardingPlan.from_json(reply.plan_json)
+            if plan is None or got.version > plan.version:
+                plan = got
+    if plan is None:
+        raise InvalidArgument("no shard addresses: pass --shards HOST:PORT[,HOST:PORT...] or set shard_addresses in the spec")
+    return plan, versions_from_shard_info(infos)
+
+
+def _write_port_file(path: str, port: int) -> None:
+    tmp = Path(path + ".tmp")
+    tmp.write_text(str(port))
+    os.replace(tmp, path)
+
+
+async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None) -> None:
+    """Run one ranker until ``stop`` is set or SIGTERM / SIGINT arrives."""
+    server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
+    slot = CoreSlot()
+    ranking_pb2_grpc.add_RankingServicer_to_server(RankingServicer(slot), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(slot, config), server)
+    health = await add_health_and_reflection(server, [RANKING_SERVICE, ADMIN_SERVICE])  # NOT_SERVING until loaded
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError:  # grpc's "Failed to bind": a clear error, not a traceback
+        raise Unavailable(f"ranker: cannot listen on {config.host}:{config.port} (port in use or address not local); pick another --port") from None
+    await server.start()
+    if config.port_file:
+        _write_port_file(config.port_file, port)
+    log.info("ranker listening on %s:%d (loading models from %s)", config.host, port, config.models_dir)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    core: RankingCore | None = None
+    try:
+        plan, reported = await shard_state(config.shard_addresses)
+        models = await open_model_set(config.cluster, config.models_dir, config.shard_addresses, plan=plan, reported=reported)
+        core = RankingCore(config.cluster.ranker, models)
+        core.start()
+        slot.core = core
+        for name in ("", RANKING_SERVICE, ADMIN_SERVICE):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("ranker SERVING on %s:%d: models %s, model_version %s", config.host, port, list(models.models), models.version)
+        await stop.wait()
+    finally:
+        await health.enter_graceful_shutdown()
+        await server.stop(GRACE_S)
+        if core is not None:
+            await core.aclose()

@@ -1,0 +1,337 @@
+"""The Ranking service's core: batched Rank and EmbedUser over remote embeddings
+(docs/architecture.md §7).
+
+Concurrent requests queue on one :class:`~recserve.scheduling.ServingLoop` per model,
+driven by a :class:`~recserve.scheduling.DynamicBatchPolicy` whose cost is the candidate
+count (adaptive window, SLO controller). A batch runs as:
+
+1. :func:`ranker.batch.layout`: the batch's pairs and per-request histories (arrays);
+2. **one** ``LookupClient.lookup`` for all of the batch's pooled features (L3 adds its
+   unpooled history rows as a second caller of the same window), so ids are
+   deduplicated across the batch's requests (and across concurrent batches' windows);
+3. the forward on the executor thread, never on the event loop: DLRM's
+   ``score_pooled``, L3's ``score_looked_up``, or the two-tower user tower (plus inner
+   products with the exported item vectors for Rank).
+
+Rows a lookup could not fetch in time come back as default rows (zeros); the requests
+they belong to (per-bag counts, :attr:`LookupResult.missing_bags`) answer ``degraded``
+with ``lookup_missing`` and their ``missing_rows``. A user beyond the exported users is
+a new user: no id row, no exported history, zero log counts, the request's
+``history_item_ids`` only (``cold_start``).
+
+Model versions: everything a version needs is one :class:`ModelSet` (export, modules,
+its own lookup client and the names its tables are served under). :meth:`RankingCore.reload`
+opens another beside it, switches with one assignment on the event loop, and closes the
+old one once the batches that pinned it have finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from ranker import batch as B
+from ranker.batch import Query, QueryKind
+from ranker.features import SparseFeature, dense_features, user_dense_features
+from ranker.models.dlrm import DLRM_FEATURES, DlrmRanker
+from ranker.models.l3 import L3Reranker
+from ranker.models.two_tower import USER_TOWER_FEATURES, TwoTower
+from ranker.rollout import feature_renames, served_table_names
+from ranker.scoring import resolve_device
+from ranker.serving import Export, Model, load_model, open_export
+from recserve.config.spec import ClusterConfig, FeatureConfig, RankerConfig, TableConfig
+from recserve.errors import FailedPrecondition, InvalidArgument
+from recserve.lookup.client import LookupClient
+from recserve.lookup.config import LookupClientConfig
+from recserve.lookup.types import LookupResult
+from recserve.scheduling import Batch, Done, DynamicBatchConfig, DynamicBatchPolicy, Failed, Scheduler, ServingLoop
+from recserve.sharding.plan import ShardingPlan
+
+log = logging.getLogger(__name__)
+
+MAX_HISTORY_ITEMS = 1024  # history_item_ids per request
+COLD_START = "cold_start"
+LOOKUP_MISSING = "lookup_missing"
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+    """One request's result. Rank: ``item_ids`` int64 [C] by score descending, ``scores``
+    float32 [C]; EmbedUser: ``vector`` float32 [d]."""
+
+    model: str
+    model_version: str
+    item_ids: np.ndarray
+    scores: np.ndarray
+    vector: np.ndarray | None
+    missing_rows: int
+    degraded_reasons: tuple[str, ...]
+
+    @property
+    def degraded(self) -> bool:
+        return bool(self.degraded_reasons)
+
+
+def model_features(model: Model) -> tuple[tuple[SparseFeature, ...], tuple[SparseFeature, ...]]:
+    """(pooled, unpooled) remote features a model reads."""
+    if isinstance(model, DlrmRanker):
+        return DLRM_FEATURES, ()
+    if isinstance(model, TwoTower):
+        return USER_TOWER_FEATURES, ()
+    return model.pooled_features, model.unpooled_features
+
+
+class ModelSet:
+    """One loaded ``model_version``: its export, modules, item vectors and lookup client.
+
+    ``served`` maps each base table (``dlrm_item``) to the name the shards serve this
+    version under (the same name, or a version-prefixed one during a rollout, see
+    :mod:`ranker.rollout`); ``feature_names`` does the same for features.
+    """
+
+    def __init__(self, export: Export, models: dict[str, Model], client: LookupClient, served: Mapping[str, str], feature_names: Mapping[str, str]) -> None:
+        self.export = export
+        self.version = export.model_version
+        self.models = models
+        self.client = client
+        self.served = dict(served)
+        self.feature_names = dict(feature_names)
+        self.inverse_names = {v: k for k, v in self.feature_names.items()}
+        self.item_vectors = np.load(export.path / "index" / "item_vectors.npy", mmap_mode="r") if "two_tower" in models else None
+        self.inflight = 0
+        self.drained = asyncio.Event()
+        self.drained.set()
+
+    def pin(self) -> None:
+        self.inflight += 1
+        self.drained.clear()
+
+    def unpin(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.drained.set()
+
+
+async def open_model_set(cluster: ClusterConfig, models_dir: str | Path, shard_addresses: Sequence[str], *, plan: ShardingPlan,
+                         reported: Mapping[str, str], expected_version: str = "") -> ModelSet:
+    """Load MODELS for ``cluster.ranker.models`` and start a lookup client for the tables
+    the shards serve its version under. ``reported``: table -> model_version from every
+    shard's ShardInfo; ``plan``: the shards' current plan (GetPlan)."""
+    rc = cluster.ranker
+    export = await asyncio.to_thread(open_export, models_dir)
+    if expected_version and export.model_version != expected_version:
+        raise FailedPrecondition(f"model_version = {expected_version!r} was asked for, but {models_dir} holds model_version {export.model_version!r}")
+    models = {name: await asyncio.to_thread(load_model, export, name, device=rc.device) for name in rc.models}
+    pooled_all: list[SparseFeature] = []
+    for m in models.values():
+        pooled, unpooled = model_features(m)
+        pooled_all += [f for f in pooled + unpooled if f not in pooled_all]
+    base_tables = sorted({f.table for f in pooled_all})
+    served = served_table_names(base_tables, export.model_version, reported)
+    spec = export.manifest["tables"]
+    tables = tuple(TableConfig(name=served[t], rows=int(spec[t]["rows"]), dim=int(spec[t]["dim"]), pooling=str(spec[t]["pooling"])) for t in base_tables)
+    names = feature_renames(pooled_all, served)
+    features = tuple(FeatureConfig(name=names[f.name], table=served[f.table]) for f in pooled_all)
+    config = dataclasses.replace(LookupClientConfig.from_cluster(cluster), tables=tables, features=features)
+    client = LookupClient.connect(config, plan, shard_addresses)
+    await client.start()
+    return ModelSet(export, models, client, served, names)
+
+
+class RankingCore:
+    """Validates, batches and scores requests on the current :class:`ModelSet`."""
+
+    def __init__(self, config: RankerConfig, models: ModelSet) -> None:
+        self.config = config
+        self.current = models
+        self.reloads = 0
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.device = resolve_device(config.device)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ranker-forward")
+        self._loops: dict[str, ServingLoop] = {}
+        self.forwards = 0  # batches run (each one forward)
+        self.requests = 0
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        rc = self.config
+        for name in rc.models:
+            if rc.batching:
+                dyn = DynamicBatchConfig(max_batch_cost=rc.max_batch_candidates, max_wait_ms=rc.max_wait_ms, slo_ms=rc.slo_ms)
+            else:  # one request per forward: every request costs the whole cap
+                dyn = DynamicBatchConfig(max_batch_cost=1.0, max_wait_ms=0.0, adaptive=False)
+            loop = ServingLoop(Scheduler(DynamicBatchPolicy(dyn)), self._run, rc.max_inflight_batches, name=f"rank-{name}")
+            loop.start()
+            self._loops[name] = loop
+
+    async def aclose(self) -> None:
+        for loop in self._loops.values():
+            await loop.aclose()
+        await self.current.client.aclose()
+        self._executor.shutdown(wait=True)
+
+    async def reload(self, new: ModelSet) -> ModelSet:
+        """Serve ``new`` from now on; returns the old set once its pinned batches have
+        finished and its lookup client is closed. Batches that started before the switch
+        finish on the old set; every later batch (queued requests included) runs on the
+        new one, so no request is dropped or fails for the switch."""
+        old = self.current
+        want, got = old.export.manifest["catalog"]["fingerprint"], new.export.manifest["catalog"]["fingerprint"]
+        if want != got or set(new.models) != set(old.models):
+            await new.client.aclose()
+            raise FailedPrecondition(
+                f"export {new.export.path} (model_version {new.version!r}) was trained on catalog {got!r} with models {sorted(new.models)}; "
+                f"this ranker serves catalog {want!r} with {sorted(old.models)}: requests validated against one must not be scored by the other"
+            )
+        self.current = new  # one assignment on the event loop: the switch is atomic
+        self.reloads += 1
+        await old.drained.wait()
+        await old.client.aclose()
+        log.info("ranker switched from model_version %s to %s", old.version, new.version)
+        return old
+
+    # ---- requests --------------------------------------------------------------------
+
+    def query(self, kind: QueryKind, model: str, user_id: int, candidates: np.ndarray, history: np.ndarray) -> Query:
+        """Validate one request (InvalidArgument naming the field and value)."""
+        rc = self.config
+        arrays = self.current.export.arrays
+        model = model or ("two_tower" if kind is QueryKind.EMBED else rc.models[0])
+        if model not in rc.models:
+            raise InvalidArgument(f"model = {model!r} is invalid: this ranker serves {list(rc.models)}")
+        if kind is QueryKind.EMBED and model != "two_tower":
+            raise InvalidArgument(f"EmbedUser needs the two_tower model; this ranker serves {list(rc.models)}")
+        if user_id < 0:
+            raise InvalidArgument(f"user_id = {user_id} is invalid: use a user id >= 0 (ids beyond the {arrays.num_users:,} exported users are new users)")
+        n = arrays.num_items
+        if kind is QueryKind.RANK:
+            if candidates.shape[0] == 0:
+                raise InvalidArgument(f"candidate_ids is empty: give 1..{rc.max_candidates:,} item ids")
+            if candidates.shape[0] > rc.max_candidates:
+                raise InvalidArgument(f"candidate_ids has {candidates.shape[0]:,} ids: this ranker takes at most ranker.max_candidates = {rc.max_candidates:,} per request")
+            _check_items("candidate_ids", candidates, n)
+        if history.shape[0] > MAX_HISTORY_ITEMS:
+            raise InvalidArgument(f"history_item_ids has {history.shape[0]:,} ids: give at most {MAX_HISTORY_ITEMS:,} recent items")
+        _check_items("history_item_ids", history, n)
+        return Query(kind=kind, model=model, user_id=user_id, cold=user_id >= arrays.num_users, candidates=candidates, history=history)
+
+    async def submit(self, query: Query, *, deadline: float, tenant: str = "default", priority: str = "standard", request_id: str | None = None) -> Answer:
+        cost = 1.0 if not self.config.batching else float(max(1, query.candidates.shape[0]))
+        answer: Answer = await self._loops[query.model].submit(query, cost=cost, deadline=deadline, tenant=tenant, priority=priority, request_id=request_id)
+        return answer
+
+    # ---- one batch -------------------------------------------------------------------
+
+    async def _run(self, batch: Batch) -> list[Done | Failed]:
+        ms = self.current  # pinned: a reload mid-batch does not change what this batch reads
+        ms.pin()
+        try:
+            queries: list[Query] = batch.payloads
+            lay = B.layout(ms.export.arrays, queries)
+            deadline = min(h.deadline for h in batch.handles)
+            model = ms.models[queries[0].model]
+            results = await self._lookup(ms, model, lay, deadline)
+            loop = asyncio.get_running_loop()
+            answers = await loop.run_in_executor(self._executor, self._forward, ms, model, queries, lay, results)
+            self.forwards += 1
+            self.requests += len(answers)
+            return [Done(a) for a in answers]
+        finally:
+            ms.unpin()
+
+    async def _lookup(self, ms: ModelSet, model: Model, lay: B.BatchLayout, deadline: float) -> list[LookupResult]:
+        pooled, unpooled = model_features(model)
+        names = ms.feature_names
+        calls = []
+        if isinstance(model, TwoTower):
+            keys, values, lengths = B.request_features(lay, pooled, names)
+        else:
+            keys, values, lengths = B.pooled_features(lay, pooled, names)
+        calls.append(ms.client.lookup(_kjt(keys, values, lengths), pooled=True, deadline=deadline))
+        if unpooled:
+            keys, values, lengths = B.request_features(lay, unpooled, names)
+            calls.append(ms.client.lookup(_kjt(keys, values, lengths), pooled=False, deadline=deadline))
+        return list(await asyncio.gather(*calls))
+
+    @torch.no_grad()
+    def _forward(self, ms: ModelSet, model: Model, queries: list[Query], lay: B.BatchLayout, results: list[LookupResult]) -> list[Answer]:
+        """Score the batch (executor thread). Returns one Answer per query."""
+        dev = self.device
+        inv = ms.inverse_names
+        assert results[0].pooled is not None
+        pooled = {inv[k]: v.to(dev) for k, v in results[0].pooled.to_dict().items()}
+        vectors: torch.Tensor | None = None
+        if isinstance(model, TwoTower):
+            user_dense = torch.from_numpy(user_dense_features(lay.arrays, np.arange(lay.num_requests))).to(dev)
+            vectors = model.user_from_pooled(pooled, user_dense)  # [R, d]
+            missing = B.missing_per_request(lay, results[0].missing_bags, per_pair=False)
+            if lay.num_pairs:
+                assert ms.item_vectors is not None
+                items = torch.from_numpy(np.ascontiguousarray(ms.item_vectors[lay.pair_items])).to(dev)
+                scores = (items * vectors[torch.from_numpy(lay.pair_request).to(dev)]).sum(dim=1)
+            else:
+                scores = torch.zeros(0)
+        else:
+            rows = torch.from_numpy(B.expand_user_side(lay)).to(dev)
+            pooled_f, unpooled_f = model_features(model)
+            for f in pooled_f:
+                if f.source in B.USER_SIDE:
+                    pooled[f.name] = pooled[f.name].index_select(0, rows)
+            dense = torch.from_numpy(dense_features(lay.arrays, lay.pair_request, lay.pair_items)).to(dev)
+            missing = B.missing_per_request(lay, results[0].missing_bags, per_pair=True)
+            if isinstance(model, DlrmRanker):
+                scores = model.score_pooled(dense, pooled)
+            else:
+                assert isinstance(model, L3Reranker)
+                flat = results[1]
+                lengths = flat.lengths[names_of(ms, unpooled_f[0])].numpy()
+                idx = torch.from_numpy(B.expand_rows(lengths, lay.pair_request)).to(dev)
+                hist = {f.name: flat.rows[names_of(ms, f)].to(dev).index_select(0, idx) for f in unpooled_f}
+                scores = model.score_looked_up(pooled, hist, torch.from_numpy(np.take(lengths, lay.pair_request)).to(dev), dense)
+                missing += B.missing_per_request(lay, flat.missing_bags, per_pair=False)
+        return _answers(ms, queries, lay, scores.float().cpu().numpy(), vectors, missing)
+
+
+def names_of(ms: ModelSet, feature: SparseFeature) -> str:
+    return ms.feature_names[feature.name]
+
+
+def _answers(ms: ModelSet, queries: list[Query], lay: B.BatchLayout, scores: np.ndarray, vectors: torch.Tensor | None, missing: np.ndarray) -> list[Answer]:
+    """Split the batch's [P] scores per request, each sorted by score descending (one
+    lexsort for the whole batch)."""
+    order = np.lexsort((-scores, lay.pair_request))
+    items, sorted_scores = lay.pair_items[order], scores[order].astype(np.float32)
+    vec = vectors.float().cpu().numpy() if vectors is not None else None
+    out = []
+    offsets = lay.request_offsets.tolist()
+    for r, q in enumerate(queries):  # per request, never per candidate
+        lo, hi = offsets[r], offsets[r + 1]
+        reasons = tuple(x for x, on in ((COLD_START, q.cold), (LOOKUP_MISSING, missing[r] > 0)) if on)
+        out.append(Answer(
+            model=q.model, model_version=ms.version, item_ids=items[lo:hi], scores=sorted_scores[lo:hi],
+            vector=vec[r] if (vec is not None and q.kind is QueryKind.EMBED) else None, missing_rows=int(missing[r]), degraded_reasons=reasons,
+        ))  # fmt: skip
+    return out
+
+
+def _check_items(field: str, ids: np.ndarray, num_items: int) -> None:
+    bad = np.flatnonzero((ids < 0) | (ids >= num_items))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgument(f"{field}[{i}] = {int(ids[i])} is out of range: item ids are 0..{num_items - 1:,} ({bad.size} ids out of range)")
+
+
+def _kjt(keys: list[str], values: np.ndarray, lengths: np.ndarray) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(values), lengths=torch.from_numpy(lengths))
+

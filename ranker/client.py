@@ -139,7 +139,7 @@ class RankingClient:
         self.router = Router(addresses, config, rng=rng)
         self.addresses = self.router.replicas
         self.stats = RankingClientStats()
-        self._clock = clock
+        self.clock = clock  # public: callers put their deadlines on this timeline
         self._options = channel_options(max_message_bytes)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, ranking_pb2_grpc.RankingStub] = {}
@@ -282,7 +282,7 @@ class RankingClient:
             raise InvalidArgument(f"timeout_s is {timeout_s}; use a positive number of seconds (or None for no deadline)")
         out = math.inf if deadline is None else deadline
         if timeout_s is not None:
-            out = min(out, self._clock() + timeout_s)
+            out = min(out, self.clock() + timeout_s)
         return out
 
     async def _call(
@@ -305,7 +305,7 @@ class RankingClient:
         failure = ""  # the last failed attempt, for the message
         attempts = 0
         while True:
-            now = self._clock()
+            now = self.clock()
             remaining = deadline - now
             if remaining <= 0:
                 raise DeadlineExceeded(
@@ -320,6 +320,7 @@ class RankingClient:
                 raise Unavailable(f"{exc.message}; after {failure}", retry_after_s=exc.retry_after_s) from None
             attempts += 1
             self.stats.attempts += 1
+            self.stats.retries += retry_of is not None
             timeout = None if math.isinf(remaining) else remaining
             request = build(make_header(timeout_s=timeout, tenant=tenant, priority=priority, request_id=request_id))
             call = getattr(self._stubs[replica], method)(request, timeout=timeout)
@@ -338,7 +339,7 @@ class RankingClient:
                 call.cancel()
                 raise
             finally:
-                end = self._clock()
+                end = self.clock()
                 router.on_result(replica, code, end - now, end, cost=cost)
             refusal = self._why_not_retry(code, deadline)
             if refusal is not None:
@@ -352,10 +353,9 @@ class RankingClient:
         else what to add to its error message ("" when the status says it all)."""
         if not is_retryable(code):
             return ""  # the answer of a healthy replica: retrying cannot change it
-        if deadline - self._clock() <= 0:
+        if deadline - self.clock() <= 0:
             return " (not retried: the deadline has passed)"
         if not self.router.can_retry(code):
             self.stats.retries_refused_by_budget += 1
             return " (not retried: the retry budget is spent)"
-        self.stats.retries += 1
         return None

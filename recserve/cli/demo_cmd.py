@@ -11,6 +11,9 @@
    Print its windows, dedup ratio and RPC count; check the pooled output against
    TorchRec's ``EmbeddingBagCollection`` holding the trained weights, and the DLRM
    scores on remote embeddings against the in-process DLRM.
+4. Start a real ranker process (``recserve ranker serve``) on those shards and rank a
+   sample user's candidates over gRPC with each model; print the top items with their
+   scores, and check the DLRM answer against the in-process model.
 
 Later issues extend it until it serves the whole cascade.
 """
@@ -76,7 +79,11 @@ def run(args: argparse.Namespace) -> int:
             f"oracle      pooled output equals TorchRec EmbeddingBagCollection: {lookups['pooled_matches_torchrec']}\n"
             f"oracle      DLRM scores on remote embeddings equal in-process DLRM: {lookups['scores_match']}"
         )
-        ok = lookups["pooled_matches_torchrec"] and lookups["scores_match"] and lookups["degraded_callers"] == 0
+        ranked = lookups["ranking"]
+        print("== ranking a sample user's candidates over gRPC (recserve ranker serve) ==")
+        print(ranked["table"])
+        print(f"oracle      DLRM scores over gRPC equal the in-process DLRM: {ranked['matches']}")
+        ok = lookups["pooled_matches_torchrec"] and lookups["scores_match"] and lookups["degraded_callers"] == 0 and ranked["matches"]
         return 0 if ok else 1
 
 
@@ -119,7 +126,8 @@ def _lookup_demo(cluster: Any, report: Any, workdir: Path, args: argparse.Namesp
     # Access frequency of the item table: its train-log impression counts (what a real
     # system knows), not the catalog's popularity.
     freq = {"dlrm_item": np.asarray(export.arrays.counts.item[:, 0], dtype=np.float64) + 1.0}
-    plan = plan_tables(list(dlrm_tables), freq, cluster.sharding).plan
+    # Every exported table: the lookups below read DLRM's, the ranker all three models'.
+    plan = plan_tables(list(tables), freq, cluster.sharding).plan
     tplan = plan.tables["dlrm_item"]
     plan.save(workdir / "plan.json")
     dlrm = load_model(export, "dlrm", device="cpu", with_tables=True)
@@ -147,6 +155,7 @@ def _lookup_demo(cluster: Any, report: Any, workdir: Path, args: argparse.Namesp
             return list(results), client.stats
 
         results, stats = asyncio.run(go())
+        ranking = _rank_demo(report, shards.addresses, workdir, args)
 
     ebc = dlrm.dlrm.sparse_arch.embedding_bag_collection
     with torch.no_grad():
@@ -174,7 +183,45 @@ def _lookup_demo(cluster: Any, report: Any, workdir: Path, args: argparse.Namesp
         "degraded_callers": stats.degraded_callers,
         "pooled_matches_torchrec": exact,
         "scores_match": scores_match,
+        "ranking": ranking,
     }
+
+
+def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Start one ranker on the shards; rank a sample user's candidates with each model."""
+    import numpy as np
+    import torch
+
+    from ranker.client import RankingClient
+    from ranker.scoring import score_pairs
+    from ranker.serving import load_model, open_export
+    from recserve.cluster.rankers import RankerCluster
+
+    export = open_export(report.out)
+    arrays = export.arrays
+    rng = np.random.default_rng(args.seed + 1)
+    user = int(rng.integers(0, arrays.num_users))
+    shown = np.flatnonzero(arrays.counts.item[:, 0] > 0)
+    candidates = rng.choice(shown, min(200, shown.size), replace=False).astype(np.int64)
+
+    async def go() -> dict[str, Any]:
+        async with RankingClient(rankers.addresses) as client:
+            return {m: await client.rank(user, candidates, model=m, timeout_s=10.0) for m in ("dlrm", "l3", "two_tower")}
+
+    with RankerCluster(report.out / "cluster.toml", report.out, shard_addresses, num_rankers=1, data_root=workdir / "rankers") as rankers:
+        answers = asyncio.run(go())
+    dlrm = load_model(export, "dlrm", device="cpu", with_tables=True)
+    with torch.no_grad():
+        want = dict(zip(candidates.tolist(), score_pairs(dlrm, arrays, np.full(candidates.shape, user), candidates).tolist()))  # type: ignore[arg-type]
+    d = answers["dlrm"]
+    matches = bool(np.allclose(d.scores, [want[i] for i in d.item_ids.tolist()], rtol=1e-5, atol=1e-5))
+    lines = [f"user {user:,} (history {int(arrays.user_history.lengths()[user])} items), {candidates.size} candidates, model_version {d.model_version}"]
+    lines.append(f"{'rank':>4}  " + "  ".join(f"{m + ' item':>14} {'score':>8}" for m in answers))
+    for k in range(10):
+        lines.append(f"{k + 1:>4}  " + "  ".join(f"{int(a.item_ids[k]):>14,} {float(a.scores[k]):>8.3f}" for a in answers.values()))
+    degraded = [m for m, a in answers.items() if a.degraded]
+    lines.append(f"degraded    {degraded or 'none'}")
+    return {"table": "\n".join(lines), "matches": matches}
 
 
 def _table_versions(addresses: list[str]) -> dict[str, str]:

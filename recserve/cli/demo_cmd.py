@@ -192,7 +192,7 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
     import numpy as np
     import torch
 
-    from ranker.client import RankingClient
+    from recserve.client import RankingClient
     from ranker.scoring import score_pairs
     from ranker.serving import load_model, open_export
     from recserve.cluster.rankers import RankerCluster

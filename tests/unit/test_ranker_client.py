@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import pytest
 
-from ranker.client import RankingClient
+from recserve.client import RankingClient
 from recserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, RecserveError, Unavailable
 from recserve.routing import BreakerState, RoutingConfig
 from recserve.rpc.server import make_server

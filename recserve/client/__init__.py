@@ -1,0 +1,7 @@
+"""Clients of recserve's own services, routed by :mod:`recserve.routing` (core: the
+cascade, the gateway and the benchmarks call rankers through these, never by importing
+a server package)."""
+
+from recserve.client.ranking import EmbedResult, RankingClient, RankingClientStats, RankResult
+
+__all__ = ["EmbedResult", "RankResult", "RankingClient", "RankingClientStats"]

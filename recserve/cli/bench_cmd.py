@@ -11,6 +11,7 @@ BENCHMARKS: dict[str, str] = {
     "sharding": "row-only vs hybrid plans through real shard processes",
     "lookup": "feature-parallel client vs naive, Redis and local TorchRec",
     "decode": "LLM decode engine: static vs continuous batching, paged KV, chunked prefill",
+    "rank": "Ranking service knee: batched vs unbatched, 1 and 2 rankers, forward cost, dedup",
 }
 
 

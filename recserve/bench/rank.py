@@ -1,0 +1,500 @@
+"""``recserve bench rank``: the Ranking service's knee, batched against unbatched, 1 and 2 rankers.
+
+The world is built here, tiny but real: a synthetic catalog (``--items``, ``--users``),
+the three models trained on its scrubbed view (``--train-rows`` per epoch) and
+exported; the DLRM tables planned over ``--shards`` real shard processes (RocksDB in
+the work dir). Then real ``recserve ranker serve`` processes serve ``dlrm`` on them:
+
+* ``batched``: one ranker with the spec's ``[ranker]`` batching (DynamicBatchPolicy,
+  cost = candidates; ``--max-wait-ms``, ``--max-batch-candidates``);
+* ``unbatched``: one ranker with ``batching = false`` (one request per forward; the
+  lookups still go through its LookupClient);
+* ``batched_2_rankers``: two batched rankers behind :class:`recserve.client.RankingClient`
+  (two choices on in-flight candidates).
+
+Every config is driven by the same open-loop Poisson ``Rank`` calls: ``--candidates``
+(500) distinct items per request drawn by the catalog's popularity (successive
+sampling, as a retrieval stage returns a popularity-skewed list), the user Zipf
+(``--user-zipf``) over a random permutation of the users. A request's deadline is its
+scheduled arrival + ``--timeout-ms`` (later = failed), so p99 can show the overload
+beyond the SLO. Each config's knee comes from the shared
+:func:`recserve.bench.knee.find_knee_async`: the highest offered rate at which >= 99% of
+the requests are answered OK within ``--slo-ms`` (50) and not degraded.
+
+Reported (table, or one JSON object with ``--json``; PNG of p99 against the offered
+rate at ``--plot``, default ``OUT/rank_p99.png``):
+
+* per config and probe: goodput within the SLO, p50 / p99, the mean requests per
+  forward and the lookup dedup ratio (ids / unique ids), both from ``Admin.ModelStatus``
+  counter deltas around the probe;
+* top level: ``knee_batched``, ``knee_unbatched``, ``knee_batched_2_rankers``
+  (requests/s), ``batching_gain`` (= batched / unbatched knee), ``scaling_2_rankers``
+  (= 2-ranker / 1-ranker batched knee), candidates scored per second at each knee,
+  ``forward_cost`` (:mod:`recserve.bench.rank_costs`: fixed ms + per-candidate µs of
+  DLRM's ``score_pooled``, fitted in this process on CPU; ``forward_cost_cuda`` when
+  CUDA is present), ``dedup_ratio`` (batched, at its knee) and
+  ``theoretical_batching_cap`` (the forward-only cap at the batched knee's mean batch,
+  formula in ``theoretical_batching_cap_formula``).
+
+Goals (issue 11): batched knee >= 3x the unbatched one; two rankers >= 1.6x one. On a
+2-core machine the shards, the rankers and this load generator share the cores, so a
+second ranker adds a process, not a CPU: ``note`` says so with the measured figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CONFIGS: dict[str, tuple[bool, int]] = {  # name -> (batching, rankers)
+    "batched": (True, 1),
+    "unbatched": (False, 1),
+    "batched_2_rankers": (True, 2),
+}
+LABELS = {"batched": "batched, 1 ranker", "unbatched": "unbatched, 1 ranker", "batched_2_rankers": "batched, 2 rankers"}
+GOAL_BATCHING_GAIN = 3.0
+GOAL_SCALING_2 = 1.6
+SPEC_RANKER_ANCHOR = '[ranker]\nmodels = ["dlrm", "two_tower", "l3"]\n'
+QUIET_S = 0.25  # the rankers are idle once their counters stand still this long
+QUIET_MAX_S = 20.0
+
+
+def _configs(text: str) -> tuple[str, ...]:
+    names = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [n for n in names if n not in CONFIGS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"--configs {text!r}: name some of {list(CONFIGS)}, comma-separated")
+    return tuple(n for n in CONFIGS if n in names)  # report order
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(x) for x in text.split(",") if x.strip()}))
+    except ValueError:
+        sizes = ()
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"--cost-sizes {text!r}: give at least two positive batch sizes (pairs), comma-separated")
+    return sizes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--items", type=int, default=20_000, help="catalog items (default 20000)")
+    p.add_argument("--users", type=int, default=2_000, help="catalog users (default 2000)")
+    p.add_argument("--impressions", type=int, default=100_000, help="click-log impressions of the catalog (default 100000)")
+    p.add_argument("--train-rows", type=int, default=50_000, help="training rows per epoch and model (default 50000; 0 = all)")
+    p.add_argument("--candidates", type=int, default=500, help="candidates per Rank request (default 500)")
+    p.add_argument("--user-zipf", type=float, default=1.05, help="Zipf exponent of the users sending requests (default 1.05; 0 = uniform)")
+    p.add_argument("--request-pool", type=int, default=2_048, help="distinct requests drawn before timing, sent round-robin (default 2048)")
+    p.add_argument("--shards", type=int, default=2, help="shard processes (default 2)")
+    p.add_argument("--configs", type=_configs, default=tuple(CONFIGS), help=f"which of {','.join(CONFIGS)} to run (default all)")
+    p.add_argument("--max-wait-ms", type=float, default=None, help="ranker.max_wait_ms of the batched rankers (default: RankerConfig's)")
+    p.add_argument("--max-batch-candidates", type=int, default=None, help="ranker.max_batch_candidates (default: RankerConfig's)")
+    p.add_argument("--slo-ms", type=float, default=50.0, help="a request is OK if answered, not degraded, within this (default 50 ms)")
+    p.add_argument("--timeout-ms", type=float, default=250.0, help="each request's deadline after its scheduled arrival (default 250 ms)")
+    p.add_argument("--probe-seconds", type=float, default=3.0, help="shortest arrival period of a knee probe (default 3 s)")
+    p.add_argument("--min-probe-requests", type=int, default=200,
+                   help="a probe lasts until about this many arrivals (a 99%% target needs a few hundred), up to --max-probe-seconds (default 200)")
+    p.add_argument("--max-probe-seconds", type=float, default=8.0, help="longest arrival period of a knee probe (default 8 s)")
+    p.add_argument("--max-probe-requests", type=int, default=1_500, help="at most this many arrivals per probe: an overloaded probe stays short (default 1500)")
+    p.add_argument("--warmup-requests", type=int, default=200, help="closed-loop requests before each config's search (shard caches, channels; default 200)")
+    p.add_argument("--lo-rps", type=float, default=10.0, help="knee search: lowest offered rate (default 10/s)")
+    p.add_argument("--hi-rps", type=float, default=1_000.0, help="knee search: highest offered rate (default 1000/s)")
+    p.add_argument("--tolerance", type=float, default=0.05, help="knee search: stop when the bracket is within this ratio (default 0.05)")
+    p.add_argument("--cost-sizes", type=_sizes, default=(1, 16, 128, 500, 1000, 2000, 4000, 8000), help="pairs per timed forward (default 1,16,...,8000)")
+    p.add_argument("--cost-repeats", type=int, default=7, help="timed forwards per size (median; default 7)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workdir", default=None, help="keep the catalog, models and shard data here (default: a temp dir, removed)")
+    p.add_argument("--out", default="out/bench-rank", help="where the plot goes by default (default out/bench-rank)")
+    p.add_argument("--plot", default=None, metavar="PATH", help="PNG of p99 vs offered rate (default OUT/rank_p99.png; '' = none)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    for flag, value in (("--slo-ms", args.slo_ms), ("--probe-seconds", args.probe_seconds), ("--candidates", args.candidates), ("--items", args.items),
+                        ("--users", args.users), ("--request-pool", args.request_pool), ("--shards", args.shards)):  # fmt: skip
+        if not value > 0:
+            raise SystemExit(f"{flag} = {value!r} is invalid: use a positive number")
+    if args.timeout_ms < args.slo_ms:
+        raise SystemExit(f"--timeout-ms = {args.timeout_ms!r} is invalid: use at least --slo-ms ({args.slo_ms:g}), or late answers read as failures")
+    if args.candidates > args.items:
+        raise SystemExit(f"--candidates = {args.candidates} is invalid: draw at most --items ({args.items:,}) distinct items per request")
+    import torch
+
+    torch.set_num_threads(1)  # the shards and rankers share the cores; one torch thread here
+    own_dir = args.workdir is None
+    workdir = Path(tempfile.mkdtemp(prefix="recserve-bench-rank-")) if own_dir else Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        report = _run(args, workdir)
+    finally:
+        if own_dir:
+            shutil.rmtree(workdir, ignore_errors=True)
+    plot = args.plot if args.plot is not None else str(Path(args.out) / "rank_p99.png")
+    report["plot"] = None
+    if plot and any(c["probes"] for c in report["configs"].values()):
+        from recserve.bench.lookup_capacity import plot_capacity
+
+        Path(plot).parent.mkdir(parents=True, exist_ok=True)
+        curves: dict[str, Sequence[tuple[float, float | None]]] = {
+            LABELS[n]: [(float(pr["offered_per_s"]), pr["p99_ms"]) for pr in k["probes"]] for n, k in report["configs"].items()
+        }
+        c = report["config"]
+        plot_capacity(plot, curves, slo_ms=args.slo_ms,
+                      title=f"recserve bench rank: {c['items']:,} items, {c['candidates']} candidates/request, {c['shards']} shards, {c['cpus']} CPUs")
+        report["plot"] = plot
+        _log(f"plot written to {plot}")
+    print(json.dumps(report, allow_nan=False) if args.json else format_report(report))
+    return 0
+
+
+def _log(msg: str) -> None:
+    print(f"[bench rank] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- the world ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class World:
+    models: Path
+    plan_path: Path
+    specs: dict[bool, Path]  # batching -> spec path
+    users: np.ndarray  # int64 [R]
+    candidates: np.ndarray  # int64 [R, C], distinct within a row
+
+
+def build_world(args: argparse.Namespace, root: Path) -> World:
+    """Catalog, trained export, DLRM plan, the two specs and the request pool."""
+    from ranker.config import TrainConfig
+    from ranker.export import export_models
+    from ranker.scrubbed import open_scrubbed
+    from ranker.spec import cluster_spec_toml, tables_and_features
+    from ranker.train import train_all
+    from recserve.catalog import CatalogConfig, generate_catalog
+    from recserve.config import loads
+    from recserve.config.spec import ShardingConfig
+    from recserve.sharding import plan_tables
+
+    t0 = time.perf_counter()
+    catalog = generate_catalog(CatalogConfig(items=args.items, users=args.users, impressions=args.impressions, seed=args.seed), root / "catalog", progress=False)
+    view = open_scrubbed(root / "catalog")
+    manifest = export_models(train_all(view, TrainConfig(seed=args.seed, device="cpu", max_rows=args.train_rows, progress=False, threads=1)), view, root / "models")
+    _log(f"catalog {args.items:,} items x {args.users:,} users, models trained and exported in {time.perf_counter() - t0:.1f} s (model_version {manifest['model_version']})")
+    tables, _ = tables_and_features(manifest)
+    dlrm_tables = [t for t in tables if t.name.startswith("dlrm_")]  # the benchmark serves DLRM only
+    counts = np.asarray(view.train.item, dtype=np.int64)
+    freq = {"dlrm_item": np.bincount(counts, minlength=args.items).astype(np.float64) + 1.0}
+    sharding = ShardingConfig(num_shards=args.shards, hot_fraction=0.01, warm_fraction=0.1, hot_replicas=min(2, args.shards))
+    plan_tables(dlrm_tables, freq, sharding, seed=args.seed).plan.save(root / "plan.json")
+    base = cluster_spec_toml(manifest, root / "models", num_shards=args.shards)
+    if SPEC_RANKER_ANCHOR not in base:
+        raise SystemExit(f"bench rank: the export's cluster spec has no {SPEC_RANKER_ANCHOR!r} section to replace; update SPEC_RANKER_ANCHOR")
+    specs = {}
+    for batching in (True, False):
+        lines = ["[ranker]", 'models = ["dlrm"]', 'device = "cpu"', "threads = 1", f"slo_ms = {args.slo_ms}", f"batching = {'true' if batching else 'false'}",
+                 f"max_candidates = {args.candidates}"]  # fmt: skip
+        if args.max_wait_ms is not None:
+            lines.append(f"max_wait_ms = {args.max_wait_ms}")
+        if args.max_batch_candidates is not None:
+            lines.append(f"max_batch_candidates = {args.max_batch_candidates}")
+        text = base.replace(SPEC_RANKER_ANCHOR, "\n".join(lines) + "\n", 1)
+        parsed = loads(text).ranker  # a bad flag fails here, naming the field, not in a child process
+        assert parsed.batching is batching and parsed.models == ("dlrm",)
+        specs[batching] = root / f"cluster-{'batched' if batching else 'unbatched'}.toml"
+        specs[batching].write_text(text)
+    users, candidates = request_pool(catalog.item_popularity, args.users, args.request_pool, args.candidates, user_zipf=args.user_zipf, seed=args.seed)
+    return World(root / "models", root / "plan.json", specs, users, candidates)
+
+
+def request_pool(item_popularity: np.ndarray, num_users: int, count: int, candidates: int, *, user_zipf: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``count`` requests: users int64 [R] (Zipf over a permutation of the users) and
+    candidates int64 [R, C], each row C distinct items drawn by popularity without
+    replacement (Gumbel top-C of ``log p``, i.e. successive sampling), in chunks so the
+    [chunk, N] key block stays small."""
+    from recserve.catalog import PopularitySampler, zipf_weights
+
+    rng = np.random.default_rng(seed + 1)
+    weights = zipf_weights(num_users, user_zipf)[rng.permutation(num_users)]
+    users = PopularitySampler(weights).sample(count, rng)
+    logp = np.log(np.maximum(np.asarray(item_popularity, dtype=np.float64), 1e-300))
+    chunk = max(1, (1 << 22) // logp.shape[0])
+    out = np.empty((count, candidates), dtype=np.int64)
+    for lo in range(0, count, chunk):  # per chunk of requests, before any timing
+        keys = logp[None, :] + rng.gumbel(size=(min(chunk, count - lo), logp.shape[0]))
+        out[lo : lo + keys.shape[0]] = np.argpartition(-keys, candidates - 1, axis=1)[:, :candidates]
+    return users.astype(np.int64), out
+
+
+# ---- probes ------------------------------------------------------------------------
+
+#: ``send(i, deadline)`` ranks request i by ``deadline`` (monotonic s); returns whether
+#: the answer was degraded; raises a RecserveError for none.
+Send = Callable[[int, float], Awaitable[bool]]
+COUNTERS = ("forwards", "requests", "lookup_windows", "lookup_ids", "lookup_unique_ids")
+
+
+async def probe(rate_per_s: float, send: Send, *, seconds: float, max_requests: int, slo_s: float, timeout_s: float, seed: int) -> tuple[Any, dict[str, Any]]:
+    """One open-loop Poisson probe: (the :class:`~recserve.bench.knee.ProbeResult`, its
+    latency figures). Latency runs from the scheduled arrival to the answer; an arrival
+    the generator reaches after its deadline is shed, RESOURCE_EXHAUSTED is shed, any
+    other error (DEADLINE_EXCEEDED included) is failed."""
+    from recserve.bench.arrivals import poisson_arrivals
+    from recserve.bench.knee import ProbeResult
+    from recserve.errors import ResourceExhausted
+
+    arrivals = poisson_arrivals(rate_per_s, duration_s=seconds, count=max_requests, rng=np.random.default_rng(seed))
+    n = int(arrivals.size)
+    latency = np.full(n, np.nan)
+    degraded = np.zeros(n, dtype=bool)
+    shed = np.zeros(n, dtype=bool)
+    sent_at = np.zeros(n)
+    errors: dict[str, int] = {}
+    t0 = time.monotonic()
+
+    async def one(i: int, deadline: float) -> None:
+        try:
+            degraded[i] = await send(i, deadline)
+        except ResourceExhausted:
+            shed[i] = True
+            return
+        except Exception as exc:  # no answer: failed, counted by kind for the report
+            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+            return
+        latency[i] = time.monotonic() - (t0 + arrivals[i])
+
+    tasks = []
+    for i, at in enumerate(arrivals.tolist()):  # the arrival schedule: one task per arrival
+        delay = t0 + at - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)  # the schedule itself, not synchronisation
+        now = time.monotonic()
+        sent_at[i] = now - t0
+        deadline = t0 + at + timeout_s
+        if now >= deadline:
+            shed[i] = True
+            continue
+        tasks.append(asyncio.ensure_future(one(i, deadline)))
+    await asyncio.gather(*tasks)
+    offered = n / float(arrivals[-1]) if n and arrivals[-1] > 0 else rate_per_s
+    achieved = n / float(sent_at[-1]) if n and sent_at[-1] > 0 else 0.0
+    result = ProbeResult.from_requests(offered, achieved_per_s=achieved, latency_s=latency, slo_s=slo_s, degraded=degraded, shed=shed)
+    answered = latency[~np.isnan(latency)]
+    figures = {
+        "p50_ms": float(np.percentile(answered, 50) * 1e3) if answered.size else None,
+        "p99_ms": float(np.percentile(answered, 99) * 1e3) if answered.size else None,
+        "goodput_per_s": result.ok_fraction * offered,
+        "errors": errors,
+    }
+    return result, figures
+
+
+async def model_status(addresses: Sequence[str]) -> dict[str, int]:
+    """``Admin.ModelStatus`` counters summed over the rankers."""
+    import grpc
+
+    from recserve.rpc.deadline import make_header
+    from recserve.v1 import admin_pb2
+    from recserve.v1.admin_pb2_grpc import AdminStub
+
+    total = dict.fromkeys(COUNTERS, 0)
+    for address in addresses:
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await AdminStub(channel).ModelStatus(admin_pb2.ModelStatusRequest(header=make_header(timeout_s=10.0)), timeout=10.0)
+        for key in COUNTERS:
+            total[key] += int(getattr(reply, key))
+    return total
+
+
+async def quiet_status(addresses: Sequence[str]) -> dict[str, int]:
+    """:func:`model_status` once the counters have stood still for ``QUIET_S``: work an
+    earlier probe left queued (its callers gone at their deadlines) has finished, so it
+    neither loads the next probe nor lands in its deltas. Gives up after ``QUIET_MAX_S``."""
+    status = await model_status(addresses)
+    stop = time.monotonic() + QUIET_MAX_S
+    while time.monotonic() < stop:
+        await asyncio.sleep(QUIET_S)  # polling a remote counter: there is no event to wait on
+        again = await model_status(addresses)
+        if again == status:
+            return status
+        status = again
+    _log(f"rankers {list(addresses)} still busy after {QUIET_MAX_S:g} s; probing anyway")
+    return status
+
+
+async def knee_of(name: str, addresses: Sequence[str], world: World, args: argparse.Namespace, routing: Any) -> dict[str, Any]:
+    """Warm up, then bisect for this config's knee; every probe with its latency,
+    batch and dedup figures (ModelStatus deltas around it)."""
+    from recserve.client import RankingClient
+    from recserve.bench.knee import ProbeResult, find_knee_async
+
+    users, cands = world.users, world.candidates
+    pool = users.shape[0]
+    extras: list[dict[str, Any]] = []
+    async with RankingClient(addresses, routing, rng=np.random.default_rng(args.seed)) as client:
+
+        async def send(i: int, deadline: float) -> bool:
+            k = i % pool
+            return (await client.rank(int(users[k]), cands[k], model="dlrm", deadline=deadline)).degraded
+
+        async def warm(first: int) -> None:  # closed loop, 2 in flight per ranker
+            for i in range(first, args.warmup_requests, 2 * len(addresses)):
+                await send(i, time.monotonic() + 30.0)
+
+        await asyncio.gather(*(warm(k) for k in range(2 * len(addresses))))
+
+        async def run(rate: float) -> ProbeResult:
+            before = await quiet_status(addresses)  # the last probe's backlog has drained
+            seconds = min(max(args.probe_seconds, args.min_probe_requests / rate), max(args.probe_seconds, args.max_probe_seconds))
+            result, figures = await probe(rate, send, seconds=seconds, max_requests=args.max_probe_requests, slo_s=args.slo_ms / 1e3,
+                                          timeout_s=args.timeout_ms / 1e3, seed=args.seed + 1000 + len(extras))  # fmt: skip
+            after = await model_status(addresses)
+            delta = {k: after[k] - before[k] for k in COUNTERS}
+            figures.update(delta)
+            figures["mean_batch_requests"] = delta["requests"] / delta["forwards"] if delta["forwards"] else None
+            figures["dedup_ratio"] = delta["lookup_ids"] / delta["lookup_unique_ids"] if delta["lookup_unique_ids"] else None
+            extras.append(figures)
+            p99 = "n/a" if figures["p99_ms"] is None else f"{figures['p99_ms']:.1f}"
+            _log(f"{name}: {rate:,.0f}/s offered -> {result.ok_fraction:.1%} OK, p99 {p99} ms, {figures['mean_batch_requests'] or 0:.1f} requests/forward")
+            return result
+
+        found = await find_knee_async(run, lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance)
+    out = found.to_dict()
+    out["probes"] = [{**p, **e} for p, e in zip(out["probes"], extras)]
+    at_knee = [p for p in out["probes"] if p["passed"] and p["rate_per_s"] == found.knee_per_s]
+    knee_probe = at_knee[-1] if at_knee else None
+    out["rankers"] = len(addresses)
+    out["candidates_per_s_at_knee"] = None if found.knee_per_s is None else found.knee_per_s * args.candidates
+    for key in ("mean_batch_requests", "dedup_ratio", "p50_ms", "p99_ms"):
+        out[f"{key}_at_knee"] = None if knee_probe is None else knee_probe[key]
+    _log(f"{name}: knee {found.knee_per_s}/s ({found.status.value}: {found.reason})")
+    return out
+
+
+# ---- the run -----------------------------------------------------------------------
+
+
+def _run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    from ranker.models.dlrm import DlrmRanker
+    from ranker.serving import load_model, open_export
+    from recserve.bench.rank_costs import CAP_FORMULA, batching_cap, measure_forward_cost
+    from recserve.cluster import ShardCluster
+    from recserve.cluster.rankers import RankerCluster
+    from recserve.config import load
+
+    started = time.perf_counter()
+    world = build_world(args, root)
+    dlrm = load_model(open_export(world.models), "dlrm", device="cpu")
+    assert isinstance(dlrm, DlrmRanker)
+    costs = {"cpu": measure_forward_cost(dlrm, sizes=args.cost_sizes, device="cpu", repeats=args.cost_repeats, seed=args.seed)}
+    import torch
+
+    if torch.cuda.is_available():
+        costs["cuda"] = measure_forward_cost(dlrm, sizes=args.cost_sizes, device="cuda", repeats=args.cost_repeats, seed=args.seed)
+    for dev, c in costs.items():
+        _log(f"forward cost on {dev}: {c.fixed_ms:.3f} ms + {c.per_candidate_us:.3f} us/candidate (fit within {c.max_rel_error:.0%})")
+    cluster = load(world.specs[True])
+    configs: dict[str, dict[str, Any]] = {}
+    with ShardCluster(world.plan_path, root / "shards", load_from=world.models, server=cluster.shard_server) as shards:
+        _log(f"{args.shards} shards SERVING at {shards.addresses}")
+        for batching in (True, False):
+            names = [n for n in args.configs if CONFIGS[n][0] is batching]
+            if not names:
+                continue
+            count = max(CONFIGS[n][1] for n in names)
+            with RankerCluster(world.specs[batching], world.models, shards.addresses, num_rankers=count, data_root=root / f"rankers-{batching}") as rankers:
+                for n in names:
+                    addresses = list(rankers.addresses[: CONFIGS[n][1]])
+                    configs[n] = asyncio.run(knee_of(n, addresses, world, args, cluster.routing))
+    return summarise(args, configs, costs, cap_formula=CAP_FORMULA, cap=batching_cap, seconds=time.perf_counter() - started)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def summarise(args: argparse.Namespace, configs: dict[str, dict[str, Any]], costs: dict[str, Any], *, cap_formula: str,
+              cap: Callable[..., float], seconds: float) -> dict[str, Any]:
+    """The report: per-config knees and probes plus the top-level figures and goals."""
+    knee = {n: (configs[n]["knee_per_s"] if n in configs else None) for n in CONFIGS}
+    batched = configs.get("batched", {})
+    b_mean = batched.get("mean_batch_requests_at_knee")
+    gain, scaling = _ratio(knee["batched"], knee["unbatched"]), _ratio(knee["batched_2_rankers"], knee["batched"])
+    cpus = os.cpu_count() or 1
+    theoretical = cap(costs["cpu"], candidates=args.candidates, mean_batch_requests=max(1.0, b_mean)) if b_mean else None
+    note = (f"{cpus} CPUs shared by {args.shards} shard processes, the ranker processes and this load generator: "
+            f"a second ranker adds a process, not a CPU, so 2-ranker scaling is bounded by the CPU one ranker leaves idle")  # fmt: skip
+    if scaling is not None:
+        note += f"; measured {scaling:.2f}x (goal {GOAL_SCALING_2}x)"
+    bounds = [n for n, c in configs.items() if c["status"] != "found"]
+    if bounds:
+        listed = ", ".join(f"{n} {configs[n]['status']}" for n in bounds)
+        note += f"; knees not bracketed (a ratio using them is a bound): {listed}"
+    return {
+        "config": {"items": args.items, "users": args.users, "impressions": args.impressions, "train_rows": args.train_rows, "candidates": args.candidates,
+                   "user_zipf": args.user_zipf, "request_pool": args.request_pool, "shards": args.shards, "configs": list(args.configs),
+                   "slo_ms": args.slo_ms, "timeout_ms": args.timeout_ms, "probe_seconds": args.probe_seconds, "min_probe_requests": args.min_probe_requests,
+                   "max_probe_seconds": args.max_probe_seconds, "max_probe_requests": args.max_probe_requests, "warmup_requests": args.warmup_requests,
+                   "lo_rps": args.lo_rps, "hi_rps": args.hi_rps,
+                   "tolerance": args.tolerance, "max_wait_ms": args.max_wait_ms, "max_batch_candidates": args.max_batch_candidates, "seed": args.seed, "cpus": cpus},
+        "knee_batched": knee["batched"],
+        "knee_unbatched": knee["unbatched"],
+        "knee_batched_2_rankers": knee["batched_2_rankers"],
+        "batching_gain": gain,
+        "scaling_2_rankers": scaling,
+        "candidates_per_s_at_knee": {n: c["candidates_per_s_at_knee"] for n, c in configs.items()},
+        "forward_cost": {k: v for k, v in costs["cpu"].to_dict().items() if k in ("fixed_ms", "per_candidate_us", "device")},
+        "forward_costs": {dev: c.to_dict() for dev, c in costs.items()},
+        "forward_cost_cuda": costs["cuda"].to_dict() if "cuda" in costs else None,
+        "dedup_ratio": batched.get("dedup_ratio_at_knee"),
+        "dedup_ratio_unbatched": configs.get("unbatched", {}).get("dedup_ratio_at_knee"),
+        "mean_batch_requests_at_knee": b_mean,
+        "theoretical_batching_cap": theoretical,
+        "theoretical_batching_cap_formula": f"forward only: {cap_formula}",
+        "goals": {"batching_gain_ge_3": None if gain is None else gain >= GOAL_BATCHING_GAIN,
+                  "scaling_2_rankers_ge_1_6": None if scaling is None else scaling >= GOAL_SCALING_2},
+        "note": note,
+        "configs": configs,
+        "seconds": seconds,
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The human table: knees and ratios, then every probe."""
+
+    def f(v: Any, spec: str = ",.0f") -> str:
+        return "n/a" if v is None else format(v, spec)
+
+    c, fc = r["config"], r["forward_cost"]
+    lines = [
+        f"recserve bench rank: {c['items']:,} items, {c['users']:,} users, {c['candidates']} candidates/request, {c['shards']} shards, SLO {c['slo_ms']:g} ms, {c['cpus']} CPUs",
+        f"{'config':<22}{'knee req/s':>11}  {'status':<18}{'cand/s at knee':>15}{'req/forward':>12}{'dedup':>7}{'p99 ms':>8}",
+    ]
+    for n, k in r["configs"].items():
+        lines.append(f"{LABELS[n]:<22}{f(k['knee_per_s']):>11}  {k['status']:<18}{f(k['candidates_per_s_at_knee']):>15}"
+                     f"{f(k['mean_batch_requests_at_knee'], '.1f'):>12}{f(k['dedup_ratio_at_knee'], '.2f'):>7}{f(k['p99_ms_at_knee'], '.1f'):>8}")
+    lines += [
+        f"batching gain {f(r['batching_gain'], '.2f')}x (goal >= {GOAL_BATCHING_GAIN:g}x); theoretical cap {f(r['theoretical_batching_cap'], '.2f')}x = {r['theoretical_batching_cap_formula']}",
+        f"2-ranker scaling {f(r['scaling_2_rankers'], '.2f')}x (goal >= {GOAL_SCALING_2:g}x)",
+        "forward cost (DLRM score_pooled): " + "; ".join(f"{d['device']} {d['fixed_ms']:.3f} ms + {d['per_candidate_us']:.3f} us/candidate" for d in r["forward_costs"].values())
+        + f"  (CPU: {fc['fixed_ms'] + fc['per_candidate_us'] * 1e-3 * c['candidates']:.2f} ms per {c['candidates']}-candidate request)",
+        f"lookup dedup ratio (ids / unique ids) at the knee: batched {f(r['dedup_ratio'], '.2f')}, unbatched {f(r['dedup_ratio_unbatched'], '.2f')}",
+        f"note: {r['note']}",
+        f"{'config':<22}{'offered/s':>10}{'achieved/s':>11}{'OK':>8}{'goodput/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'req/fwd':>8}{'dedup':>7}  passed",
+    ]
+    for n, k in r["configs"].items():
+        for p in k["probes"]:
+            lines.append(f"{LABELS[n]:<22}{f(p['offered_per_s']):>10}{f(p['achieved_per_s']):>11}{p['ok_fraction']:>8.1%}{f(p['goodput_per_s']):>10}"
+                         f"{f(p['p50_ms'], '.1f'):>8}{f(p['p99_ms'], '.1f'):>8}{f(p['mean_batch_requests'], '.1f'):>8}{f(p['dedup_ratio'], '.2f'):>7}  {p['passed']}")
+    return "\n".join(lines)

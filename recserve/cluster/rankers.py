@@ -1,0 +1,145 @@
+"""Launch, watch and stop N ranker processes on loopback.
+
+:class:`RankerCluster` starts ``num_rankers`` ``recserve ranker serve`` subprocesses over
+one export and one set of shards, through :class:`recserve.cluster.group.ProcessGroup`
+(orphan protection, ``--port 0 --port-file``, readiness on the health Watch stream of
+``recserve.v1.Ranking``, which turns SERVING once models, shard tables and the lookup
+client are ready). Used by integration tests, benchmarks and the demo::
+
+    with ShardCluster(plan, root / "shards", load_from=models) as shards:
+        with RankerCluster(spec, models, shards.addresses, num_rankers=2, data_root=root / "rankers") as rankers:
+            stub = RankingStub(grpc.insecure_channel(rankers.addresses[0]))
+            rankers.kill(1)      # SIGKILL, no goodbye
+            rankers.restart(1)   # same port; waits for SERVING
+
+Ranker ``k`` logs to ``data_root/ranker-k.log``. Every ranker's BLAS/OpenMP pools are
+pinned to 1 thread (rankers share the host's cores with the shards and each other;
+``ranker.threads`` in the spec sets torch's intra-op threads). ``admin_token`` reaches
+the process as ``RECSERVE_ADMIN_TOKEN``, guarding ``Admin.ReloadModels``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from recserve.cluster.group import ProcessGroup, launch_env
+from recserve.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# The health service a ranker marks SERVING when ready ("" turns SERVING with it). Named
+# here rather than imported from ranker.server, which would load torch into the launcher.
+RANKING_HEALTH_SERVICE = "recserve.v1.Ranking"
+RANKER_THREADS = 1
+
+
+class RankerCluster:
+    """``num_rankers`` ranker processes serving ``models_dir`` from ``shard_addresses``
+    (empty: the spec's ``shard_addresses``), configured by the spec at ``config_path``.
+
+    ``env``: process-start settings on top of this process's environment; given (even
+    empty) they own the transport variables (``GRPC_EXPERIMENTS``, ``MALLOC_*``) as for
+    :class:`~recserve.cluster.shards.ShardCluster`. ``extra_args`` are appended to every
+    ranker's command line.
+    """
+
+    def __init__(
+        self,
+        config_path: str | Path,
+        models_dir: str | Path,
+        shard_addresses: Sequence[str],
+        *,
+        num_rankers: int = 1,
+        data_root: str | Path,
+        env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+        admin_token: str = "",
+        start_timeout_s: float = 120.0,
+        python: str = sys.executable,
+    ) -> None:
+        if num_rankers < 1:
+            raise ConfigError(f"num_rankers = {num_rankers} is invalid: start at least one ranker")
+        bad = [a for a in shard_addresses if not a or "," in a]
+        if bad:
+            raise ConfigError(f"shard_addresses = {list(shard_addresses)} is invalid: give HOST:PORT strings without commas (bad: {bad})")
+        self.config_path = Path(config_path)
+        self.models_dir = Path(models_dir)
+        self.shard_addresses = tuple(shard_addresses)
+        self.num_rankers = num_rankers
+        self.data_root = Path(data_root)
+        self.extra_env = dict(env or {})
+        self._owns_transport_env = env is not None
+        self.extra_args = tuple(extra_args)
+        self.admin_token = admin_token
+        self.start_timeout_s = start_timeout_s
+        self.python = python
+        self._group = ProcessGroup(
+            "ranker", self.data_root, num_rankers, command=self._command, env=self._env,
+            start_timeout_s=start_timeout_s, health_service=RANKING_HEALTH_SERVICE,
+        )  # fmt: skip
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def __enter__(self) -> RankerCluster:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self, *, wait: bool = True) -> None:
+        """Start every ranker (they load concurrently); wait until all are SERVING unless
+        ``wait`` is False (they are listening, with known addresses, either way)."""
+        self._group.start(wait=wait)
+
+    def stop(self, k: int | None = None) -> None:
+        """SIGTERM ranker ``k`` (default: all): graceful, in-flight calls drain; SIGKILL
+        whatever outlives the grace."""
+        self._group.stop(k)
+
+    def kill(self, k: int) -> None:
+        """SIGKILL ranker ``k`` and reap it; its port is kept for :meth:`restart`."""
+        self._group.kill(k)
+
+    def restart(self, k: int, *, wait: bool = True) -> None:
+        """Start ranker ``k`` again on its previous port (stopping it first if alive)."""
+        self._group.restart(k, wait=wait)
+
+    def wait_serving(self, k: int, timeout_s: float | None = None) -> None:
+        """Block until ranker ``k`` reports SERVING, raising Unavailable (with its log
+        tail) if it exits first or the timeout (default ``start_timeout_s``) passes."""
+        self._group.wait_serving(k, timeout_s)
+
+    # -- addresses and helpers -------------------------------------------------------
+
+    @property
+    def addresses(self) -> list[str]:
+        return self._group.addresses
+
+    def address(self, k: int) -> str:
+        return self._group.address(k)
+
+    def pid(self, k: int) -> int:
+        return self._group.pid(k)
+
+    def log_path(self, k: int) -> Path:
+        return self._group.log_path(k)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _command(self, k: int, port: int, port_file: Path) -> list[str]:
+        cmd = [
+            self.python, "-m", "recserve", "ranker", "serve",
+            "--config", str(self.config_path), "--models", str(self.models_dir),
+            "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file),
+        ]  # fmt: skip
+        if self.shard_addresses:
+            cmd += ["--shards", ",".join(self.shard_addresses)]
+        return cmd + list(self.extra_args)
+
+    def _env(self) -> dict[str, str]:
+        return launch_env(self.extra_env, owns_transport=self._owns_transport_env, threads=RANKER_THREADS, admin_token=self.admin_token)

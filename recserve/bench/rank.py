@@ -300,24 +300,23 @@ async def probe(rate_per_s: float, send: Send, *, seconds: float, max_requests: 
     return result, figures
 
 
-async def model_status(addresses: Sequence[str]) -> dict[str, int]:
-    """``Admin.ModelStatus`` counters summed over the rankers."""
+async def model_status(addresses: Sequence[str]) -> list[dict[str, int]]:
+    """``Admin.ModelStatus`` counters (:data:`COUNTERS`) of each ranker."""
     import grpc
 
     from recserve.rpc.deadline import make_header
     from recserve.v1 import admin_pb2
     from recserve.v1.admin_pb2_grpc import AdminStub
 
-    total = dict.fromkeys(COUNTERS, 0)
+    out = []
     for address in addresses:
         async with grpc.aio.insecure_channel(address) as channel:
             reply = await AdminStub(channel).ModelStatus(admin_pb2.ModelStatusRequest(header=make_header(timeout_s=10.0)), timeout=10.0)
-        for key in COUNTERS:
-            total[key] += int(getattr(reply, key))
-    return total
+        out.append({key: int(getattr(reply, key)) for key in COUNTERS})
+    return out
 
 
-async def quiet_status(addresses: Sequence[str]) -> dict[str, int]:
+async def quiet_status(addresses: Sequence[str]) -> list[dict[str, int]]:
     """:func:`model_status` once the counters have stood still for ``QUIET_S``: work an
     earlier probe left queued (its callers gone at their deadlines) has finished, so it
     neither loads the next probe nor lands in its deltas. Gives up after ``QUIET_MAX_S``."""
@@ -360,8 +359,10 @@ async def knee_of(name: str, addresses: Sequence[str], world: World, args: argpa
             result, figures = await probe(rate, send, seconds=seconds, max_requests=args.max_probe_requests, slo_s=args.slo_ms / 1e3,
                                           timeout_s=args.timeout_ms / 1e3, seed=args.seed + 1000 + len(extras))  # fmt: skip
             after = await model_status(addresses)
-            delta = {k: after[k] - before[k] for k in COUNTERS}
+            per_ranker = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
+            delta = {k: sum(d[k] for d in per_ranker) for k in COUNTERS}
             figures.update(delta)
+            figures["requests_by_ranker"] = [d["requests"] for d in per_ranker]
             figures["mean_batch_requests"] = delta["requests"] / delta["forwards"] if delta["forwards"] else None
             figures["dedup_ratio"] = delta["lookup_ids"] / delta["lookup_unique_ids"] if delta["lookup_unique_ids"] else None
             extras.append(figures)

@@ -6,7 +6,7 @@ Start-up order, so readiness is honest:
 1. bind and start the grpc.aio server (:func:`recserve.rpc.server.make_server`); health
    reports NOT_SERVING for "", ``recserve.v1.Ranking`` and ``recserve.v1.Admin``; the
    port goes to ``port_file`` (atomically) for launchers that asked for port 0;
-2. read every shard's ShardInfo (the model_version of each table) and the plan (GetPlan);
+2. wait until every shard is SERVING (up to ``SHARD_WAIT_S``), read every shard's ShardInfo (the model_version of each table) and the plan (GetPlan);
 3. load the export and start the lookup client (:func:`ranker.service.open_model_set`:
    FAILED_PRECONDITION, and the process exits non-zero, when the shards do not serve
    this export's tables at its version);
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ranker.batch import QueryKind
 from ranker.serving import versions_from_shard_info
@@ -53,6 +53,8 @@ ADMIN_TOKEN_ENV = "RECSERVE_ADMIN_TOKEN"
 MAX_MESSAGE_BYTES = 64 << 20
 GRACE_S = 2.0
 SHARD_INFO_TIMEOUT_S = 10.0
+SHARD_POLL_S = 0.2
+SHARD_WAIT_S = 120.0  # a ranker started with its shards waits this long for their tiers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,6 +172,30 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )  # fmt: skip
 
 
+async def wait_for_shards(addresses: Sequence[str], timeout_s: float) -> None:
+    """Wait until every shard's health is SERVING (a ranker started beside its shards
+    waits for their tiers instead of failing); Unavailable naming the laggards after
+    ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    request = health_pb2.HealthCheckRequest(service="")
+    while True:
+        waiting = []
+        for k, address in enumerate(addresses):
+            async with grpc.aio.insecure_channel(address) as channel:
+                try:
+                    reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=SHARD_INFO_TIMEOUT_S)
+                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
+                        waiting.append(f"shard {k} at {address} is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
+                except grpc.aio.AioRpcError as exc:
+                    waiting.append(f"shard {k} at {address}: {exc.code().name}")
+        if not waiting:
+            return
+        if time.monotonic() > end:
+            raise Unavailable(f"shards not SERVING after {timeout_s:.0f} s: {'; '.join(waiting)}")
+        log.info("waiting for shards: %s", "; ".join(waiting))
+        await asyncio.sleep(SHARD_POLL_S)
+
+
 async def shard_state(addresses: Sequence[str]) -> tuple[ShardingPlan, dict[str, str]]:
     """(the shards' newest plan, table -> model_version over every shard)."""
     infos = []
@@ -196,6 +222,13 @@ def _write_port_file(path: str, port: int) -> None:
     os.replace(tmp, path)
 
 
+async def _load(config: RankerProcessConfig) -> RankingCore:
+    await wait_for_shards(config.shard_addresses, SHARD_WAIT_S)
+    plan, reported = await shard_state(config.shard_addresses)
+    models = await open_model_set(config.cluster, config.models_dir, config.shard_addresses, plan=plan, reported=reported)
+    return RankingCore(config.cluster.ranker, models)
+
+
 async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None) -> None:
     """Run one ranker until ``stop`` is set or SIGTERM / SIGINT arrives."""
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
@@ -219,17 +252,23 @@ async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None) 
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     core: RankingCore | None = None
+    loading = asyncio.ensure_future(_load(config))
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        plan, reported = await shard_state(config.shard_addresses)
-        models = await open_model_set(config.cluster, config.models_dir, config.shard_addresses, plan=plan, reported=reported)
-        core = RankingCore(config.cluster.ranker, models)
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():  # SIGTERM while waiting for shards or loading: leave now
+            loading.cancel()
+            return
+        core = loading.result()
         core.start()
         slot.core = core
+        models = core.current
         for name in ("", RANKING_SERVICE, ADMIN_SERVICE):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)
         log.info("ranker SERVING on %s:%d: models %s, model_version %s", config.host, port, list(models.models), models.version)
         await stop.wait()
     finally:
+        stopping.cancel()
         await health.enter_graceful_shutdown()
         await server.stop(GRACE_S)
         if core is not None:

@@ -363,6 +363,7 @@ async def knee_of(name: str, addresses: Sequence[str], world: World, args: argpa
             delta = {k: sum(d[k] for d in per_ranker) for k in COUNTERS}
             figures.update(delta)
             figures["requests_by_ranker"] = [d["requests"] for d in per_ranker]
+            figures["loadavg_1m"] = os.getloadavg()[0]  # other work on the box shows up here
             figures["mean_batch_requests"] = delta["requests"] / delta["forwards"] if delta["forwards"] else None
             figures["dedup_ratio"] = delta["lookup_ids"] / delta["lookup_unique_ids"] if delta["lookup_unique_ids"] else None
             extras.append(figures)

@@ -265,3 +265,30 @@ def test_with_a_shard_killed_rank_answers_degraded_with_missing_rows(served: Ser
     assert not healthy.degraded
 
 
+
+
+def test_a_ranker_is_serving_only_once_its_shards_are(tmp_path: Path) -> None:
+    """Started beside shards still loading their tiers: health NOT_SERVING and Rank
+    UNAVAILABLE (with a retry hint) until the shards serve; then SERVING and answering."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    world = make_ranker_world(tmp_path / "world")
+    gate = tmp_path / "gate"
+    shards = ShardCluster(world.plan_path, tmp_path / "shards", load_from=world.models, fault_hook=True, extra_args=["--load-gate", str(gate)])
+    shards.start(wait=False)
+    rankers = RankerCluster(world.spec_path, world.models, shards.addresses, data_root=tmp_path / "rankers")
+    try:
+        rankers.start(wait=False)
+        with grpc.insecure_channel(rankers.addresses[0]) as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            for service in ("", "recserve.v1.Ranking"):
+                assert health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            code, details = _code(lambda: RankingStub(ch).Rank(rank_request(1, np.arange(4)), timeout=10))
+            assert code == grpc.StatusCode.UNAVAILABLE and "still loading" in details and "retry after" in details
+            gate.touch()
+            rankers.wait_serving(0)
+            assert health.Check(health_pb2.HealthCheckRequest(service="recserve.v1.Ranking"), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+            assert len(scores_by_item(RankingStub(ch).Rank(rank_request(1, np.arange(4)), timeout=10))) == 4
+    finally:
+        rankers.stop()
+        shards.stop()

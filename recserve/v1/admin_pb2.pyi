@@ -7,6 +7,54 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class RefreshIndexRequest(_message.Message):
+    __slots__ = ("header", "index_path", "admin_token")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    INDEX_PATH_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    index_path: str
+    admin_token: str
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., index_path: _Optional[str] = ..., admin_token: _Optional[str] = ...) -> None: ...
+
+class RefreshIndexResponse(_message.Message):
+    __slots__ = ("index_version", "previous_version", "items", "seconds")
+    INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    index_version: str
+    previous_version: str
+    items: int
+    seconds: float
+    def __init__(self, index_version: _Optional[str] = ..., previous_version: _Optional[str] = ..., items: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class AddItemsRequest(_message.Message):
+    __slots__ = ("header", "item_ids", "categories", "tag_ids", "tag_lengths", "admin_token")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    ITEM_IDS_FIELD_NUMBER: _ClassVar[int]
+    CATEGORIES_FIELD_NUMBER: _ClassVar[int]
+    TAG_IDS_FIELD_NUMBER: _ClassVar[int]
+    TAG_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    ADMIN_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    header: _common_pb2.RequestHeader
+    item_ids: _common_pb2.Tensor
+    categories: _common_pb2.Tensor
+    tag_ids: _common_pb2.Tensor
+    tag_lengths: _common_pb2.Tensor
+    admin_token: str
+    def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., item_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., categories: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tag_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tag_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admin_token: _Optional[str] = ...) -> None: ...
+
+class AddItemsResponse(_message.Message):
+    __slots__ = ("index_version", "added", "upserted_rows")
+    INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    UPSERTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    index_version: str
+    added: int
+    upserted_rows: int
+    def __init__(self, index_version: _Optional[str] = ..., added: _Optional[int] = ..., upserted_rows: _Optional[int] = ...) -> None: ...
+
 class ReloadModelsRequest(_message.Message):
     __slots__ = ("header", "models_dir", "model_version", "admin_token")
     HEADER_FIELD_NUMBER: _ClassVar[int]

@@ -46,6 +46,16 @@ class AdminStub:
                 request_serializer=recserve_dot_v1_dot_admin__pb2.ModelStatusRequest.SerializeToString,
                 response_deserializer=recserve_dot_v1_dot_admin__pb2.ModelStatusResponse.FromString,
                 _registered_method=True)
+        self.RefreshIndex = channel.unary_unary(
+                '/recserve.v1.Admin/RefreshIndex',
+                request_serializer=recserve_dot_v1_dot_admin__pb2.RefreshIndexRequest.SerializeToString,
+                response_deserializer=recserve_dot_v1_dot_admin__pb2.RefreshIndexResponse.FromString,
+                _registered_method=True)
+        self.AddItems = channel.unary_unary(
+                '/recserve.v1.Admin/AddItems',
+                request_serializer=recserve_dot_v1_dot_admin__pb2.AddItemsRequest.SerializeToString,
+                response_deserializer=recserve_dot_v1_dot_admin__pb2.AddItemsResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -67,6 +77,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RefreshIndex(self, request, context):
+        """Cascade: swap the L0 index atomically under traffic (a saved index, or one rebuilt
+        from the serving export's item vectors).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddItems(self, request, context):
+        """Cascade: embed new items with the item tower, add them to the index, upsert their rows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +104,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ModelStatus,
                     request_deserializer=recserve_dot_v1_dot_admin__pb2.ModelStatusRequest.FromString,
                     response_serializer=recserve_dot_v1_dot_admin__pb2.ModelStatusResponse.SerializeToString,
+            ),
+            'RefreshIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RefreshIndex,
+                    request_deserializer=recserve_dot_v1_dot_admin__pb2.RefreshIndexRequest.FromString,
+                    response_serializer=recserve_dot_v1_dot_admin__pb2.RefreshIndexResponse.SerializeToString,
+            ),
+            'AddItems': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddItems,
+                    request_deserializer=recserve_dot_v1_dot_admin__pb2.AddItemsRequest.FromString,
+                    response_serializer=recserve_dot_v1_dot_admin__pb2.AddItemsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -137,6 +172,60 @@ class Admin:
             '/recserve.v1.Admin/ModelStatus',
             recserve_dot_v1_dot_admin__pb2.ModelStatusRequest.SerializeToString,
             recserve_dot_v1_dot_admin__pb2.ModelStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RefreshIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recserve.v1.Admin/RefreshIndex',
+            recserve_dot_v1_dot_admin__pb2.RefreshIndexRequest.SerializeToString,
+            recserve_dot_v1_dot_admin__pb2.RefreshIndexResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddItems(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/recserve.v1.Admin/AddItems',
+            recserve_dot_v1_dot_admin__pb2.AddItemsRequest.SerializeToString,
+            recserve_dot_v1_dot_admin__pb2.AddItemsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from recserve.v1 import common_pb2 as recserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drecserve/v1/recommender.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"\x84\x01\n\x10RecommendRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x0f\n\x07user_id\x18\x02 \x01(\x03\x12\t\n\x01k\x18\x03 \x01(\x05\x12(\n\x0b\x65xclude_ids\x18\x04 \x01(\x0b\x32\x13.recserve.v1.Tensor\"\xa5\x01\n\x0bStageReport\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x11\n\tbudget_ms\x18\x02 \x01(\x01\x12\x12\n\nelapsed_ms\x18\x03 \x01(\x01\x12\x10\n\x08in_count\x18\x04 \x01(\x03\x12\x11\n\tout_count\x18\x05 \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x07 \x01(\t\x12\x10\n\x08\x63overage\x18\x08 \x01(\x01\"\xad\x01\n\x11RecommendResponse\x12%\n\x08item_ids\x18\x01 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12#\n\x06scores\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12(\n\x06stages\x18\x03 \x03(\x0b\x32\x18.recserve.v1.StageReport\x12\x10\n\x08\x63overage\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65graded\x18\x05 \x01(\x08\x32Y\n\x0bRecommender\x12J\n\tRecommend\x12\x1d.recserve.v1.RecommendRequest\x1a\x1e.recserve.v1.RecommendResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1drecserve/v1/recommender.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"\xb2\x01\n\x10RecommendRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x0f\n\x07user_id\x18\x02 \x01(\x03\x12\t\n\x01k\x18\x03 \x01(\x05\x12(\n\x0b\x65xclude_ids\x18\x04 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12,\n\x0frecent_item_ids\x18\x05 \x01(\x0b\x32\x13.recserve.v1.Tensor\"\xa5\x01\n\x0bStageReport\x12\r\n\x05stage\x18\x01 \x01(\t\x12\x11\n\tbudget_ms\x18\x02 \x01(\x01\x12\x12\n\nelapsed_ms\x18\x03 \x01(\x01\x12\x10\n\x08in_count\x18\x04 \x01(\x03\x12\x11\n\tout_count\x18\x05 \x01(\x03\x12\x10\n\x08\x64\x65graded\x18\x06 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x07 \x01(\t\x12\x10\n\x08\x63overage\x18\x08 \x01(\x01\"\xf4\x01\n\x11RecommendResponse\x12%\n\x08item_ids\x18\x01 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12#\n\x06scores\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12(\n\x06stages\x18\x03 \x03(\x0b\x32\x18.recserve.v1.StageReport\x12\x10\n\x08\x63overage\x18\x04 \x01(\x01\x12\x10\n\x08\x64\x65graded\x18\x05 \x01(\x08\x12\x17\n\x0f\x64\x65graded_reason\x18\x06 \x01(\t\x12\x15\n\rindex_version\x18\x07 \x01(\t\x12\x15\n\rmodel_version\x18\x08 \x01(\t2Y\n\x0bRecommender\x12J\n\tRecommend\x12\x1d.recserve.v1.RecommendRequest\x1a\x1e.recserve.v1.RecommendResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,11 +33,11 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'recserve.v1.recommender_pb2
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RECOMMENDREQUEST']._serialized_start=73
-  _globals['_RECOMMENDREQUEST']._serialized_end=205
-  _globals['_STAGEREPORT']._serialized_start=208
-  _globals['_STAGEREPORT']._serialized_end=373
-  _globals['_RECOMMENDRESPONSE']._serialized_start=376
-  _globals['_RECOMMENDRESPONSE']._serialized_end=549
-  _globals['_RECOMMENDER']._serialized_start=551
-  _globals['_RECOMMENDER']._serialized_end=640
+  _globals['_RECOMMENDREQUEST']._serialized_end=251
+  _globals['_STAGEREPORT']._serialized_start=254
+  _globals['_STAGEREPORT']._serialized_end=419
+  _globals['_RECOMMENDRESPONSE']._serialized_start=422
+  _globals['_RECOMMENDRESPONSE']._serialized_end=666
+  _globals['_RECOMMENDER']._serialized_start=668
+  _globals['_RECOMMENDER']._serialized_end=757
 # @@protoc_insertion_point(module_scope)

@@ -109,6 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-probe-seconds", type=float, default=8.0, help="longest arrival period of a knee probe (default 8 s)")
     p.add_argument("--max-probe-requests", type=int, default=1_500, help="at most this many arrivals per probe: an overloaded probe stays short (default 1500)")
     p.add_argument("--warmup-requests", type=int, default=200, help="closed-loop requests before each config's search (shard caches, channels; default 200)")
+    p.add_argument("--saturation-seconds", type=float, default=3.0, help="closed-loop run after each knee search, the throughput ceiling (default 3 s; 0 = skip)")
+    p.add_argument("--saturation-concurrency", type=int, default=64, help="requests in flight in the closed-loop run (default 64)")
     p.add_argument("--lo-rps", type=float, default=10.0, help="knee search: lowest offered rate (default 10/s)")
     p.add_argument("--hi-rps", type=float, default=1_000.0, help="knee search: highest offered rate (default 1000/s)")
     p.add_argument("--tolerance", type=float, default=0.05, help="knee search: stop when the bracket is within this ratio (default 0.05)")
@@ -130,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--timeout-ms = {args.timeout_ms!r} is invalid: use at least --slo-ms ({args.slo_ms:g}), or late answers read as failures")
     if args.candidates > args.items:
         raise SystemExit(f"--candidates = {args.candidates} is invalid: draw at most --items ({args.items:,}) distinct items per request")
+    from recserve.bench.knee import KneeSearch
+
+    KneeSearch(lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance)  # bad search flags fail now, not minutes in
     import torch
 
     torch.set_num_threads(1)  # the shards and rankers share the cores; one torch thread here
@@ -332,6 +337,50 @@ async def quiet_status(addresses: Sequence[str]) -> list[dict[str, int]]:
     return status
 
 
+def _deltas(before: list[dict[str, int]], after: list[dict[str, int]]) -> dict[str, Any]:
+    """Counter deltas summed over the rankers, with the derived batch and dedup figures."""
+    per_ranker = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
+    delta: dict[str, Any] = {k: sum(d[k] for d in per_ranker) for k in COUNTERS}
+    delta["requests_by_ranker"] = [d["requests"] for d in per_ranker]
+    delta["mean_batch_requests"] = delta["requests"] / delta["forwards"] if delta["forwards"] else None
+    delta["dedup_ratio"] = delta["lookup_ids"] / delta["lookup_unique_ids"] if delta["lookup_unique_ids"] else None
+    return delta
+
+
+async def saturate(send: Send, addresses: Sequence[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Closed loop at ``--saturation-concurrency`` for ``--saturation-seconds``: the
+    throughput ceiling whatever the latency (how far batching lifts capacity, beside
+    how far it lifts the SLO knee)."""
+    before = await quiet_status(addresses)
+    stop = time.monotonic() + args.saturation_seconds
+    latencies: list[float] = []
+    failures = 0
+
+    async def worker(first: int) -> None:
+        nonlocal failures
+        i = first
+        while time.monotonic() < stop:
+            t = time.monotonic()
+            try:
+                await send(i, t + 10.0)
+                latencies.append(time.monotonic() - t)
+            except Exception:  # counted, not fatal: the ceiling is what was answered
+                failures += 1
+            i += args.saturation_concurrency
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(worker(k) for k in range(args.saturation_concurrency)))
+    span = time.monotonic() - t0
+    after = await model_status(addresses)
+    lat = np.asarray(latencies)
+    out = {"concurrency": args.saturation_concurrency, "seconds": span, "answered": int(lat.size), "failures": failures,
+           "requests_per_s": lat.size / span, "candidates_per_s": lat.size * args.candidates / span,
+           "p50_ms": float(np.percentile(lat, 50) * 1e3) if lat.size else None, **_deltas(before, after)}  # fmt: skip
+    _log(f"saturation: {out['requests_per_s']:,.1f} requests/s at {args.saturation_concurrency} in flight, "
+         f"{out['mean_batch_requests'] or 0:.1f} requests/forward, dedup {out['dedup_ratio'] or 0:.2f}")
+    return out
+
+
 async def knee_of(name: str, addresses: Sequence[str], world: World, args: argparse.Namespace, routing: Any) -> dict[str, Any]:
     """Warm up, then bisect for this config's knee; every probe with its latency,
     batch and dedup figures (ModelStatus deltas around it)."""
@@ -359,20 +408,17 @@ async def knee_of(name: str, addresses: Sequence[str], world: World, args: argpa
             result, figures = await probe(rate, send, seconds=seconds, max_requests=args.max_probe_requests, slo_s=args.slo_ms / 1e3,
                                           timeout_s=args.timeout_ms / 1e3, seed=args.seed + 1000 + len(extras))  # fmt: skip
             after = await model_status(addresses)
-            per_ranker = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
-            delta = {k: sum(d[k] for d in per_ranker) for k in COUNTERS}
-            figures.update(delta)
-            figures["requests_by_ranker"] = [d["requests"] for d in per_ranker]
+            figures.update(_deltas(before, after))
             figures["loadavg_1m"] = os.getloadavg()[0]  # other work on the box shows up here
-            figures["mean_batch_requests"] = delta["requests"] / delta["forwards"] if delta["forwards"] else None
-            figures["dedup_ratio"] = delta["lookup_ids"] / delta["lookup_unique_ids"] if delta["lookup_unique_ids"] else None
             extras.append(figures)
             p99 = "n/a" if figures["p99_ms"] is None else f"{figures['p99_ms']:.1f}"
             _log(f"{name}: {rate:,.0f}/s offered -> {result.ok_fraction:.1%} OK, p99 {p99} ms, {figures['mean_batch_requests'] or 0:.1f} requests/forward")
             return result
 
         found = await find_knee_async(run, lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance)
+        saturation = await saturate(send, addresses, args) if args.saturation_seconds > 0 else None
     out = found.to_dict()
+    out["saturation"] = saturation
     out["probes"] = [{**p, **e} for p, e in zip(out["probes"], extras)]
     at_knee = [p for p in out["probes"] if p["passed"] and p["rate_per_s"] == found.knee_per_s]
     knee_probe = at_knee[-1] if at_knee else None
@@ -435,6 +481,8 @@ def summarise(args: argparse.Namespace, configs: dict[str, dict[str, Any]], cost
     gain, scaling = _ratio(knee["batched"], knee["unbatched"]), _ratio(knee["batched_2_rankers"], knee["batched"])
     cpus = os.cpu_count() or 1
     theoretical = cap(costs["cpu"], candidates=args.candidates, mean_batch_requests=max(1.0, b_mean)) if b_mean else None
+    sat = {n: (c.get("saturation") or {}).get("requests_per_s") for n, c in configs.items()}
+    sat_b = (batched.get("saturation") or {}).get("mean_batch_requests")
     note = (f"{cpus} CPUs shared by {args.shards} shard processes, the ranker processes and this load generator: "
             f"a second ranker adds a process, not a CPU, so 2-ranker scaling is bounded by the CPU one ranker leaves idle")  # fmt: skip
     if scaling is not None:
@@ -448,6 +496,7 @@ def summarise(args: argparse.Namespace, configs: dict[str, dict[str, Any]], cost
                    "user_zipf": args.user_zipf, "request_pool": args.request_pool, "shards": args.shards, "configs": list(args.configs),
                    "slo_ms": args.slo_ms, "timeout_ms": args.timeout_ms, "probe_seconds": args.probe_seconds, "min_probe_requests": args.min_probe_requests,
                    "max_probe_seconds": args.max_probe_seconds, "max_probe_requests": args.max_probe_requests, "warmup_requests": args.warmup_requests,
+                   "saturation_seconds": args.saturation_seconds, "saturation_concurrency": args.saturation_concurrency,
                    "lo_rps": args.lo_rps, "hi_rps": args.hi_rps,
                    "tolerance": args.tolerance, "max_wait_ms": args.max_wait_ms, "max_batch_candidates": args.max_batch_candidates, "seed": args.seed, "cpus": cpus},
         "knee_batched": knee["batched"],
@@ -463,6 +512,13 @@ def summarise(args: argparse.Namespace, configs: dict[str, dict[str, Any]], cost
         "dedup_ratio_unbatched": configs.get("unbatched", {}).get("dedup_ratio_at_knee"),
         "mean_batch_requests_at_knee": b_mean,
         "theoretical_batching_cap": theoretical,
+        # The same cap at the closed-loop run's batches, beside the closed-loop gain:
+        # what batching does to capacity when latency is no constraint.
+        "saturation_requests_per_s": sat,
+        "saturation_gain": _ratio(sat.get("batched"), sat.get("unbatched")),
+        "saturation_scaling_2_rankers": _ratio(sat.get("batched_2_rankers"), sat.get("batched")),
+        "mean_batch_requests_at_saturation": sat_b,
+        "theoretical_batching_cap_at_saturation": cap(costs["cpu"], candidates=args.candidates, mean_batch_requests=max(1.0, sat_b)) if sat_b else None,
         "theoretical_batching_cap_formula": f"forward only: {cap_formula}",
         "goals": {"batching_gain_ge_3": None if gain is None else gain >= GOAL_BATCHING_GAIN,
                   "scaling_2_rankers_ge_1_6": None if scaling is None else scaling >= GOAL_SCALING_2},
@@ -489,6 +545,10 @@ def format_report(r: dict[str, Any]) -> str:
     lines += [
         f"batching gain {f(r['batching_gain'], '.2f')}x (goal >= {GOAL_BATCHING_GAIN:g}x); theoretical cap {f(r['theoretical_batching_cap'], '.2f')}x = {r['theoretical_batching_cap_formula']}",
         f"2-ranker scaling {f(r['scaling_2_rankers'], '.2f')}x (goal >= {GOAL_SCALING_2:g}x)",
+        "closed loop (throughput ceiling, latency unbounded): "
+        + ", ".join(f"{LABELS[n]} {f(v, ',.1f')} req/s" for n, v in r["saturation_requests_per_s"].items())
+        + f"; gain {f(r['saturation_gain'], '.2f')}x at {f(r['mean_batch_requests_at_saturation'], '.1f')} requests/forward "
+        f"(forward-only cap {f(r['theoretical_batching_cap_at_saturation'], '.2f')}x), 2-ranker scaling {f(r['saturation_scaling_2_rankers'], '.2f')}x",
         "forward cost (DLRM score_pooled): " + "; ".join(f"{d['device']} {d['fixed_ms']:.3f} ms + {d['per_candidate_us']:.3f} us/candidate" for d in r["forward_costs"].values())
         + f"  (CPU: {fc['fixed_ms'] + fc['per_candidate_us'] * 1e-3 * c['candidates']:.2f} ms per {c['candidates']}-candidate request)",
         f"lookup dedup ratio (ids / unique ids) at the knee: batched {f(r['dedup_ratio'], '.2f')}, unbatched {f(r['dedup_ratio_unbatched'], '.2f')}",

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Protocol
 
 from recserve.cluster.process import STOP_GRACE_S, spawn_child
-from recserve.errors import Unavailable
+from recserve.errors import ConfigError, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class _Member:
 
 class ProcessGroup:
     """``size`` server processes of one ``kind``; member ``k`` runs ``command(k, port, port_file)``
-    (port 0 the first time: it picks one) with ``env()`` (built at each spawn)."""
+    (``ports[k]`` the first time, default 0: it picks one) with ``env()`` (built at each spawn)."""
 
     def __init__(
         self,
@@ -146,6 +146,7 @@ class ProcessGroup:
         start_timeout_s: float = 60.0,
         health_service: str = "",
         host: str = "127.0.0.1",
+        ports: Sequence[int] = (),
         cwd: str | Path = REPO_ROOT,
         spawn: Spawner = spawn_child,
         health: HealthWatch = watch_health,
@@ -158,6 +159,10 @@ class ProcessGroup:
         self.start_timeout_s = start_timeout_s
         self.health_service = health_service
         self.host = host
+        # Member k's port on its first start (0 = it picks one); a restart keeps its port.
+        self.first_ports = tuple(ports) or (0,) * size
+        if len(self.first_ports) != size:
+            raise ConfigError(f"ports = {list(ports)} is invalid: give one port per {kind} ({size}), or none for free ports")
         self._command = command
         self._env = env
         self._cwd = cwd
@@ -176,7 +181,7 @@ class ProcessGroup:
         self.root.mkdir(parents=True, exist_ok=True)
         try:
             for k in range(self.size):
-                self.spawn(k, port=0)
+                self.spawn(k, port=self.first_ports[k])
             for k in range(self.size):
                 self._members[k].port = self._read_port(k)
             for k in range(self.size if wait else 0):

@@ -44,7 +44,8 @@ class RankerCluster:
     ``env``: process-start settings on top of this process's environment; given (even
     empty) they own the transport variables (``GRPC_EXPERIMENTS``, ``MALLOC_*``) as for
     :class:`~recserve.cluster.shards.ShardCluster`. ``extra_args`` are appended to every
-    ranker's command line.
+    ranker's command line. ``host`` / ``ports``: where they listen (default: loopback,
+    free ports; ranker ``k`` binds ``ports[k]``).
     """
 
     def __init__(
@@ -59,6 +60,8 @@ class RankerCluster:
         extra_args: Sequence[str] = (),
         admin_token: str = "",
         start_timeout_s: float = 120.0,
+        host: str = "127.0.0.1",
+        ports: Sequence[int] = (),
         python: str = sys.executable,
     ) -> None:
         if num_rankers < 1:
@@ -76,10 +79,11 @@ class RankerCluster:
         self.extra_args = tuple(extra_args)
         self.admin_token = admin_token
         self.start_timeout_s = start_timeout_s
+        self.host = host
         self.python = python
         self._group = ProcessGroup(
             "ranker", self.data_root, num_rankers, command=self._command, env=self._env,
-            start_timeout_s=start_timeout_s, health_service=RANKING_HEALTH_SERVICE,
+            start_timeout_s=start_timeout_s, health_service=RANKING_HEALTH_SERVICE, host=host, ports=ports,
         )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------
@@ -135,7 +139,7 @@ class RankerCluster:
         cmd = [
             self.python, "-m", "recserve", "ranker", "serve",
             "--config", str(self.config_path), "--models", str(self.models_dir),
-            "--host", "127.0.0.1", "--port", str(port), "--port-file", str(port_file),
+            "--host", self.host, "--port", str(port), "--port-file", str(port_file),
         ]  # fmt: skip
         if self.shard_addresses:
             cmd += ["--shards", ",".join(self.shard_addresses)]

@@ -57,6 +57,8 @@ class ShardCluster:
         env: Mapping[str, str] | None = None,
         unix_sockets: bool = False,
         start_timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
+        ports: Sequence[int] = (),
         python: str = sys.executable,
     ) -> None:
         self.plan_path = Path(plan_path)
@@ -81,8 +83,9 @@ class ShardCluster:
         # out unix: addresses (same host, no TCP stack), addresses stay TCP.
         self.unix_sockets = unix_sockets
         self.start_timeout_s = start_timeout_s
+        self.host = host  # listen address; shard k binds ports[k] (default: free ports)
         self.python = python
-        self._group = ProcessGroup("shard", self.data_root, num_shards, command=self._command, env=self._env, start_timeout_s=start_timeout_s)
+        self._group = ProcessGroup("shard", self.data_root, num_shards, command=self._command, env=self._env, start_timeout_s=start_timeout_s, host=host, ports=ports)
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -157,7 +160,7 @@ class ShardCluster:
         cmd = [
             self.python, "-m", "recserve", "shard", "serve",
             "--plan", str(self.plan_path), "--shard-id", str(k), "--data", str(self.data_dir(k)),
-            "--port", str(port), "--port-file", str(port_file),
+            "--host", self.host, "--port", str(port), "--port-file", str(port_file),
             "--row-cache-bytes", str(s.row_cache_bytes), "--block-cache-bytes", str(s.block_cache_bytes),
             "--threads", str(s.threads), "--max-ids-per-rpc", str(s.max_ids_per_rpc),
             "--max-message-bytes", str(s.max_message_bytes), "--max-bags-per-rpc", str(s.max_bags_per_rpc),

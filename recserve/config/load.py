@@ -27,6 +27,7 @@ from recserve.config.spec import (
     ShardServerConfig,
     TableConfig,
     TenantConfig,
+    TopologyConfig,
 )
 from recserve.errors import ConfigError
 
@@ -166,7 +167,27 @@ models = ["dlrm", "two_tower", "l3"]
 models_dir = "models"
 
 [cascade]
+# Stage sizes (reference Table 28): L0 keeps 1% of the catalog (l0_out = 0 = auto),
+# then 1,000 -> 100 -> 10 (l3_out is the default k).
+l0_out = 0
+l1_out = 1000
+l2_out = 100
+l3_out = 10
 default_deadline_ms = 100.0
+reply_margin_ms = 3.0
+budget_shares = [0.15, 0.15, 0.45, 0.25]
+index_factory = "auto"
+log_path = ""
+
+# What `recserve serve` starts: shards (sharding.num_shards), 2 rankers and the
+# cascade, all on loopback, each on a free port ("7100-7199" pins a range).
+[topology]
+rankers = 2
+host = "127.0.0.1"
+shard_ports = "0"
+ranker_ports = "0"
+cascade_port = 0
+unix_sockets = false
 
 [[tenants]]
 name = "default"
@@ -276,6 +297,7 @@ def parse_spec(raw: dict[str, Any]) -> ClusterConfig:
         cascade=section(CascadeConfig, "cascade"),
         gateway=section(GatewayConfig, "gateway"),
         tenants=tenants,
+        topology=section(TopologyConfig, "topology"),
     )
 
 

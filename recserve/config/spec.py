@@ -293,22 +293,82 @@ class RoutingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CascadeConfig:
-    """Stage output sizes and budget shares of the L0-L3 cascade (docs/architecture.md §3, §8)."""
+    """The L0-L3 cascade: stage sizes, deadline budgets, the stage cost model, the L0
+    index and the serving log (docs/architecture.md §3, §8; used by ``cascade/budget.py``).
 
-    l0_out: int = 10_000
+    Stage sizes follow reference Table 28 (1,000,000 -> 10,000 -> 1,000 -> 100 -> 10).
+    L0 keeps a fraction of the catalog (``l0_out = 0``: ``l0_fraction`` of it, at least
+    ``l1_out``), since retrieval is what grows with the catalog; L1-L3 keep Table 28's
+    absolute sizes, because their cost is per candidate and their recall is measured
+    against a fixed top-k. ``cascade.budget.stage_sizes_for`` applies the rule and caps
+    every size at the catalog. ``l3_out`` is also the k of a request that asks for 0.
+
+    Budgets: stage i gets ``budget_shares[i] / sum(budget_shares[i:])`` of what remains
+    before ``deadline - reply_margin_ms`` when it starts, so time a finished stage did
+    not use flows to the later ones. A stage with less than ``min_stage_ms`` is skipped.
+
+    Cost model (``StageCostModel``): an exponentially weighted (``cost_alpha``) fit of
+    ``fixed + per_item * n`` per stage, starting from the priors ``cost_prior_fixed_ms``
+    / ``cost_prior_per_item_us`` (L0..L3); ``cost_quantile`` > 0 adds that quantile of
+    recent relative errors as a safety margin (0 = none). A stage skipped for budget
+    ``probe_after_skips`` times in a row runs once on a few candidates so that a stale,
+    too-high estimate can recover (0 = never probe).
+    """
+
+    # Stage output sizes (reference Table 28).
+    l0_out: int = 0  # 0 = auto: l0_fraction of the catalog, at least l1_out
+    l0_fraction: float = 0.01
     l1_out: int = 1_000
     l2_out: int = 100
     l3_out: int = 10
+    max_k: int = 1_000  # the largest k a request may ask for
+    # Deadlines and budgets.
     budget_shares: tuple[float, float, float, float] = (0.15, 0.15, 0.45, 0.25)
-    default_deadline_ms: float = 100.0
+    default_deadline_ms: float = 100.0  # when the caller sets no deadline
+    reply_margin_ms: float = 3.0  # kept back for serialising and sending the answer
+    min_stage_ms: float = 0.5
+    # The per-stage cost model.
+    cost_alpha: float = 0.1
+    cost_quantile: float = 0.9
+    cost_prior_fixed_ms: tuple[float, float, float, float] = (2.0, 1.0, 5.0, 5.0)
+    cost_prior_per_item_us: tuple[float, float, float, float] = (0.5, 1.0, 20.0, 100.0)
+    probe_after_skips: int = 50
+    # L0: the index (validated by cascade/index.py, which knows faiss) and the popular source.
+    index_factory: str = "auto"  # "auto" | "Flat" | "IVF{n},Flat" | "IVF{n},PQ{m}" | "HNSW{M}"
+    nprobe: int = 0  # 0 = the index's default (or what the stage budget allows)
+    ef_search: int = 0  # 0 = the index's default (or what the stage budget allows)
+    popular_per_category: int = 100
+    # The serving (impression) log.
+    log_path: str = ""  # "" = no serving log
+    log_max_bytes: int = 64 << 20  # rotate the log file at this size
+    log_backups: int = 3  # rotated files kept
 
     def __post_init__(self) -> None:
-        sizes = (self.l0_out, self.l1_out, self.l2_out, self.l3_out)
-        _require(all(s > 0 for s in sizes), "cascade.l*_out", sizes, "use positive stage sizes")
-        _require(list(sizes) == sorted(sizes, reverse=True), "cascade.l*_out", sizes, "stage sizes must shrink: l0_out >= l1_out >= l2_out >= l3_out")
+        fixed = (self.l1_out, self.l2_out, self.l3_out)
+        _require(all(s > 0 for s in fixed), "cascade.l1_out..l3_out", fixed, "use positive stage sizes")
+        _require(list(fixed) == sorted(fixed, reverse=True), "cascade.l1_out..l3_out", fixed, "stage sizes must shrink: l1_out >= l2_out >= l3_out")
+        _require(self.l0_out == 0 or self.l0_out >= self.l1_out, "cascade.l0_out", self.l0_out, f"use 0 (auto from the catalog size) or at least l1_out ({self.l1_out})")
+        _require(0.0 < self.l0_fraction <= 1.0, "cascade.l0_fraction", self.l0_fraction, "use a fraction of the catalog in (0, 1] (Table 28: 0.01)")
+        _require(self.max_k >= self.l3_out, "cascade.max_k", self.max_k, f"use at least l3_out ({self.l3_out}), the default k")
         _require(len(self.budget_shares) == 4 and all(s >= 0 for s in self.budget_shares), "cascade.budget_shares", self.budget_shares, "give 4 non-negative shares (L0..L3)")
         _require(math.isclose(sum(self.budget_shares), 1.0, abs_tol=1e-6), "cascade.budget_shares", self.budget_shares, "shares must sum to 1.0")
         _require(self.default_deadline_ms > 0, "cascade.default_deadline_ms", self.default_deadline_ms, "use a positive deadline in ms")
+        _require(0.0 <= self.reply_margin_ms < self.default_deadline_ms, "cascade.reply_margin_ms", self.reply_margin_ms,
+                 f"use 0..default_deadline_ms ({self.default_deadline_ms}) ms; a few ms covers serialising the answer")
+        _require(self.min_stage_ms >= 0.0, "cascade.min_stage_ms", self.min_stage_ms, "use >= 0 ms")
+        _require(0.0 < self.cost_alpha <= 1.0, "cascade.cost_alpha", self.cost_alpha, "use an EWMA weight in (0, 1]")
+        _require(self.cost_quantile == 0.0 or 0.5 <= self.cost_quantile < 1.0, "cascade.cost_quantile", self.cost_quantile, "use 0 (no safety margin) or a quantile in [0.5, 1)")
+        for key in ("cost_prior_fixed_ms", "cost_prior_per_item_us"):
+            v = getattr(self, key)
+            _require(len(v) == 4 and all(math.isfinite(x) and x >= 0 for x in v), f"cascade.{key}", v, "give 4 finite costs >= 0 (L0..L3)")
+        _require(self.probe_after_skips >= 0, "cascade.probe_after_skips", self.probe_after_skips, "use >= 0 skips (0 = never probe)")
+        _require(bool(self.index_factory) and not any(c.isspace() for c in self.index_factory), "cascade.index_factory", self.index_factory,
+                 "use \"auto\" or a faiss factory string without spaces: Flat, IVF{n},Flat, IVF{n},PQ{m}, HNSW{M}")
+        _require(self.nprobe >= 0, "cascade.nprobe", self.nprobe, "use 0 (the index's default) or a positive list count")
+        _require(self.ef_search >= 0, "cascade.ef_search", self.ef_search, "use 0 (the index's default) or a positive efSearch")
+        _require(self.popular_per_category >= 1, "cascade.popular_per_category", self.popular_per_category, "use at least 1 item per category")
+        _require(self.log_max_bytes >= 4096, "cascade.log_max_bytes", self.log_max_bytes, "use at least 4096 bytes per log file")
+        _require(self.log_backups >= 1, "cascade.log_backups", self.log_backups, "keep at least 1 rotated file")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -336,6 +396,84 @@ class TenantConfig:
         _require(self.priority in PRIORITIES, f"tenants.{self.name}.priority", self.priority, f"use one of {PRIORITIES}")
 
 
+FREE_PORTS = "0"  # a [topology] port range meaning "each process picks a free port"
+
+
+def parse_port_range(field: str, text: str) -> tuple[int, int] | None:
+    """A ``[topology]`` port range: ``"0"`` -> None (every process binds port 0 and reports
+    the port it got), ``"7100-7199"`` -> ``(7100, 7199)`` (inclusive). ConfigError naming
+    ``field`` otherwise."""
+    if text == FREE_PORTS:
+        return None
+    lo_text, sep, hi_text = text.partition("-")
+    ok = bool(sep) and lo_text.isdigit() and hi_text.isdigit() and 1 <= int(lo_text) <= int(hi_text) <= 65535
+    _require(ok, field, text, 'use "0" (free ports) or an inclusive range "LOW-HIGH" within 1..65535, e.g. "7100-7199"')
+    return int(lo_text), int(hi_text)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopologyConfig:
+    """Which processes ``recserve serve`` starts and where they listen (docs/architecture.md §3).
+
+    * ``rankers``: ranker replicas; the cascade routes over them (``[routing]``).
+    * ``host``: the IPv4 address every process binds and is reached at. The launcher
+      starts them all on this machine, so it must be one of its addresses.
+    * ``shard_ports`` / ``ranker_ports``: ``"0"`` = each process binds a free port and
+      writes it to its port file (no race between picking and binding), or an inclusive
+      range ``"7100-7199"`` whose k-th port process k binds (a restart keeps it).
+    * ``cascade_port``: the Recommender's port (0 = a free one).
+    * ``unix_sockets``: the processes share this host, so every shard also listens on a
+      unix socket in its data root and the rankers and the cascade dial it (``unix:``
+      addresses: no TCP stack on the shard fan-out, the widest hop).
+
+    Example::
+
+        [topology]
+        rankers = 2
+        ranker_ports = "7200-7209"
+        cascade_port = 7300
+    """
+
+    rankers: int = 2
+    host: str = "127.0.0.1"
+    shard_ports: str = FREE_PORTS
+    ranker_ports: str = FREE_PORTS
+    cascade_port: int = 0
+    unix_sockets: bool = False
+
+    def __post_init__(self) -> None:
+        _require(1 <= self.rankers <= 64, "topology.rankers", self.rankers, "use 1..64 ranker processes")
+        parts = self.host.split(".")
+        _require(len(parts) == 4 and all(p.isdigit() and int(p) <= 255 for p in parts), "topology.host", self.host,
+                 'use an IPv4 address of this machine, e.g. "127.0.0.1" (processes are started here)')  # fmt: skip
+        shard_range = parse_port_range("topology.shard_ports", self.shard_ports)
+        ranker_range = parse_port_range("topology.ranker_ports", self.ranker_ports)
+        _require(0 <= self.cascade_port <= 65535, "topology.cascade_port", self.cascade_port, "use a TCP port in 0..65535 (0 = pick a free one)")
+        if ranker_range is not None:
+            size = ranker_range[1] - ranker_range[0] + 1
+            _require(size >= self.rankers, "topology.ranker_ports", self.ranker_ports, f"give at least rankers = {self.rankers} ports (the range holds {size})")
+        if shard_range is not None and ranker_range is not None:
+            overlap = shard_range[0] <= ranker_range[1] and ranker_range[0] <= shard_range[1]
+            _require(not overlap, "topology.ranker_ports", self.ranker_ports, f"use a range disjoint from shard_ports = {self.shard_ports!r}")
+        for name, rng in (("shard_ports", shard_range), ("ranker_ports", ranker_range)):
+            inside = rng is not None and self.cascade_port != 0 and rng[0] <= self.cascade_port <= rng[1]
+            _require(not inside, "topology.cascade_port", self.cascade_port, f"use a port outside {name} = {getattr(self, name)!r}")
+
+    def ports(self, field: str, count: int) -> tuple[int, ...]:
+        """The ports of ``count`` processes whose range is ``field`` (``"shard_ports"`` or
+        ``"ranker_ports"``): all 0 (free ports) or the range's first ``count`` ports.
+
+        >>> TopologyConfig(ranker_ports="7200-7209").ports("ranker_ports", 2)
+        (7200, 7201)
+        """
+        rng = parse_port_range(f"topology.{field}", getattr(self, field))
+        if rng is None:
+            return (0,) * count
+        size = rng[1] - rng[0] + 1
+        _require(size >= count, f"topology.{field}", getattr(self, field), f"give at least {count} ports (the range holds {size})")
+        return tuple(range(rng[0], rng[0] + count))
+
+
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
     """The whole cluster spec. Cross-references are checked here: every feature names a
@@ -352,6 +490,7 @@ class ClusterConfig:
     cascade: CascadeConfig = CascadeConfig()
     gateway: GatewayConfig = GatewayConfig()
     tenants: tuple[TenantConfig, ...] = ()
+    topology: TopologyConfig = TopologyConfig()
 
     def __post_init__(self) -> None:
         _require(len(self.tables) > 0, "tables", list(self.tables), "declare at least one [[tables]] entry")
@@ -372,6 +511,11 @@ class ClusterConfig:
             )
         tnames = [t.name for t in self.tenants]
         _require(len(set(tnames)) == len(tnames), "tenants[].name", tnames, "tenant names must be unique")
+        shard_ports = parse_port_range("topology.shard_ports", self.topology.shard_ports)
+        if shard_ports is not None:
+            size = shard_ports[1] - shard_ports[0] + 1
+            _require(size >= self.sharding.num_shards, "topology.shard_ports", self.topology.shard_ports,
+                     f"give at least sharding.num_shards = {self.sharding.num_shards} ports (the range holds {size})")  # fmt: skip
 
     def table(self, name: str) -> TableConfig:
         for t in self.tables:

@@ -50,8 +50,8 @@ def test_forward_cost_of_a_real_dlrm_grows_with_the_batch() -> None:
     from ranker.models.dlrm import DlrmRanker
 
     model = DlrmRanker(DlrmConfig(embedding_dim=8, dense_arch=(16, 8), over_arch=(16, 1)), {"dlrm_user": 4, "dlrm_item": 8, "dlrm_category": 2, "dlrm_tag": 3, "dlrm_category_cross": 4})
-    c = measure_forward_cost(model, sizes=(1, 256, 4096), repeats=3)
-    assert c.device == "cpu" and c.batch_sizes == (1, 256, 4096) and len(c.times_ms) == 3
+    c = measure_forward_cost(model, sizes=(1, 256, 2048), repeats=2)
+    assert c.device == "cpu" and c.batch_sizes == (1, 256, 2048) and len(c.times_ms) == 3
     assert c.times_ms[2] > c.times_ms[0] and c.per_candidate_us > 0
     assert c.predict_ms(0) == pytest.approx(c.fixed_ms)
 
@@ -92,7 +92,8 @@ def test_bench_rank_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     args = parser.parse_args(
         ["--items", "3000", "--users", "300", "--impressions", "6000", "--train-rows", "2000", "--candidates", "100", "--request-pool", "64",
          "--probe-seconds", "0.3", "--min-probe-requests", "10", "--max-probe-seconds", "0.5", "--warmup-requests", "8",
-         "--lo-rps", "5", "--hi-rps", "60", "--tolerance", "0.6", "--slo-ms", "500", "--timeout-ms", "1000",
+         "--lo-rps", "10", "--hi-rps", "30", "--tolerance", "0.9", "--slo-ms", "500", "--timeout-ms", "1000",
+         "--saturation-seconds", "0.4", "--saturation-concurrency", "8",
          "--cost-sizes", "1,100,400", "--cost-repeats", "2", "--workdir", str(tmp_path / "work"), "--plot", str(plot), "--json"]
     )  # fmt: skip
     threads = torch.get_num_threads()
@@ -111,8 +112,13 @@ def test_bench_rank_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
             assert p["dedup_ratio"] >= 1.0  # the bench candidates repeat across a request's features
         if k["knee_per_s"] is not None:
             assert k["candidates_per_s_at_knee"] == pytest.approx(k["knee_per_s"] * 100)
-    unbatched = r["configs"]["unbatched"]["probes"]
-    assert all(p["mean_batch_requests"] == 1.0 for p in unbatched), "batching = false: one request per forward"
+    unbatched = r["configs"]["unbatched"]
+    assert all(p["mean_batch_requests"] == 1.0 for p in unbatched["probes"] + [unbatched["saturation"]]), "batching = false: one request per forward"
+    # 8 in flight and at most 2 batches running: the batched ranker must batch the rest.
+    assert r["configs"]["batched"]["saturation"]["mean_batch_requests"] > 1.5
+    assert min(r["configs"]["batched_2_rankers"]["saturation"]["requests_by_ranker"]) > 0, "two choices used both rankers"
+    sat = r["saturation_requests_per_s"]
+    assert sat["unbatched"] > 0 and r["saturation_gain"] == pytest.approx(sat["batched"] / sat["unbatched"])
     assert r["knee_batched"] == r["configs"]["batched"]["knee_per_s"] and r["knee_unbatched"] == r["configs"]["unbatched"]["knee_per_s"]
     if r["knee_batched"] and r["knee_unbatched"]:
         assert r["batching_gain"] == pytest.approx(r["knee_batched"] / r["knee_unbatched"])

@@ -41,6 +41,7 @@ from embedding_server.shard import ShardCore
 from embedding_server.store import RowStore
 from recserve.errors import Unavailable
 from recserve.rpc.server import add_health_and_reflection, make_server
+from recserve.rpc.serving import write_port_file
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
 
@@ -104,12 +105,6 @@ def load_core(config: ShardProcessConfig, plan: ShardingPlan, layouts: dict[str,
         raise
 
 
-def _write_port_file(path: str, port: int) -> None:
-    tmp = Path(path + ".tmp")
-    tmp.write_text(str(port))
-    os.replace(tmp, path)
-
-
 async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -> None:
     """Run one shard until ``stop`` is set or SIGTERM / SIGINT arrives."""
     set_threads(config.server.threads)
@@ -149,7 +144,7 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
             raise Unavailable(f"shard {config.shard_id}: cannot listen on unix:{config.unix_socket}; pick another --unix-socket path") from None
     await server.start()
     if config.port_file:
-        _write_port_file(config.port_file, port)
+        write_port_file(config.port_file, port)
     log.info("shard %d listening on %s:%d (loading tiers)", config.shard_id, config.host, port)
 
     stop = stop or asyncio.Event()

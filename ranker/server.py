@@ -22,15 +22,12 @@ import asyncio
 import dataclasses
 import hmac
 import logging
-import os
-import signal
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from ranker.batch import QueryKind
 from ranker.serving import versions_from_shard_info
@@ -40,7 +37,8 @@ from recserve.errors import InvalidArgument, PermissionDenied, RecserveError, Un
 from recserve.rpc.deadline import RequestContext, context_from_header
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with, error_from_code
-from recserve.rpc.tensors import pack, unpack
+from recserve.rpc.serving import Slot, stop_on_signals, wait_until_serving, write_port_file
+from recserve.rpc.tensors import ids_from, pack
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, embedding_pb2, ranking_pb2, ranking_pb2_grpc
 from recserve.v1.embedding_pb2_grpc import EmbeddingShardStub
@@ -53,7 +51,6 @@ ADMIN_TOKEN_ENV = "RECSERVE_ADMIN_TOKEN"
 MAX_MESSAGE_BYTES = 64 << 20
 GRACE_S = 2.0
 SHARD_INFO_TIMEOUT_S = 10.0
-SHARD_POLL_S = 0.2
 SHARD_WAIT_S = 120.0  # a ranker started with its shards waits this long for their tiers
 
 
@@ -70,29 +67,6 @@ class RankerProcessConfig:
     admin_token: str = ""
 
 
-def _ids(tensor: common_pb2.Tensor, field: str) -> np.ndarray:
-    """An optional INT64 (or INT32) id tensor of rank 1 -> int64 [n]."""
-    if not tensor.data and not tensor.shape:
-        return np.zeros(0, dtype=np.int64)
-    array = unpack(tensor, field, expect_ndim=1)
-    if array.dtype.kind not in "iu":
-        raise InvalidArgument(f"{field}: dtype is {common_pb2.DType.Name(tensor.dtype)}; send item ids as INT64")
-    return array.astype(np.int64, copy=False)
-
-
-class CoreSlot:
-    """Where the servicers find the core: empty while the process is still loading (the
-    server is already listening, so health can say NOT_SERVING)."""
-
-    def __init__(self) -> None:
-        self.core: RankingCore | None = None
-
-    def get(self) -> RankingCore:
-        if self.core is None:
-            raise Unavailable("the ranker is still loading its models and shard tables; retry shortly", retry_after_s=1.0)
-        return self.core
-
-
 def _context(header: common_pb2.RequestHeader, context: grpc.aio.ServicerContext, core: RankingCore) -> RequestContext:
     return context_from_header(header, context.time_remaining(), default_timeout_s=core.config.default_timeout_ms / 1e3)
 
@@ -102,14 +76,14 @@ def _reason(answer: Answer) -> str:
 
 
 class RankingServicer(ranking_pb2_grpc.RankingServicer):
-    def __init__(self, slot: CoreSlot) -> None:
+    def __init__(self, slot: Slot[RankingCore]) -> None:
         self.slot = slot
 
     async def Rank(self, request: ranking_pb2.RankRequest, context: grpc.aio.ServicerContext) -> ranking_pb2.RankResponse:
         try:
             core = self.slot.get()
             ctx = _context(request.header, context, core)
-            query = core.query(QueryKind.RANK, request.model, request.user_id, _ids(request.candidate_ids, "candidate_ids"), _ids(request.history_item_ids, "history_item_ids"))
+            query = core.query(QueryKind.RANK, request.model, request.user_id, ids_from(request.candidate_ids, "candidate_ids"), ids_from(request.history_item_ids, "history_item_ids"))
             a = await core.submit(query, deadline=ctx.deadline, tenant=ctx.tenant, priority=ctx.priority, request_id=ctx.request_id)
         except RecserveError as exc:
             await abort_with(context, exc)
@@ -123,7 +97,7 @@ class RankingServicer(ranking_pb2_grpc.RankingServicer):
         try:
             core = self.slot.get()
             ctx = _context(request.header, context, core)
-            query = core.query(QueryKind.EMBED, "", request.user_id, np.zeros(0, np.int64), _ids(request.history_item_ids, "history_item_ids"))
+            query = core.query(QueryKind.EMBED, "", request.user_id, np.zeros(0, np.int64), ids_from(request.history_item_ids, "history_item_ids"))
             a = await core.submit(query, deadline=ctx.deadline, tenant=ctx.tenant, priority=ctx.priority, request_id=ctx.request_id)
         except RecserveError as exc:
             await abort_with(context, exc)
@@ -133,7 +107,7 @@ class RankingServicer(ranking_pb2_grpc.RankingServicer):
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, slot: CoreSlot, process: RankerProcessConfig) -> None:
+    def __init__(self, slot: Slot[RankingCore], process: RankerProcessConfig) -> None:
         self.slot = slot
         self.process = process
         self._reloading = asyncio.Lock()
@@ -172,30 +146,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )  # fmt: skip
 
 
-async def wait_for_shards(addresses: Sequence[str], timeout_s: float) -> None:
-    """Wait until every shard's health is SERVING (a ranker started beside its shards
-    waits for their tiers instead of failing); Unavailable naming the laggards after
-    ``timeout_s``."""
-    end = time.monotonic() + timeout_s
-    request = health_pb2.HealthCheckRequest(service="")
-    while True:
-        waiting = []
-        for k, address in enumerate(addresses):
-            async with grpc.aio.insecure_channel(address) as channel:
-                try:
-                    reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=SHARD_INFO_TIMEOUT_S)
-                    if reply.status != health_pb2.HealthCheckResponse.SERVING:
-                        waiting.append(f"shard {k} at {address} is {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}")
-                except grpc.aio.AioRpcError as exc:
-                    waiting.append(f"shard {k} at {address}: {exc.code().name}")
-        if not waiting:
-            return
-        if time.monotonic() > end:
-            raise Unavailable(f"shards not SERVING after {timeout_s:.0f} s: {'; '.join(waiting)}")
-        log.info("waiting for shards: %s", "; ".join(waiting))
-        await asyncio.sleep(SHARD_POLL_S)
-
-
 async def shard_state(addresses: Sequence[str]) -> tuple[ShardingPlan, dict[str, str]]:
     """(the shards' newest plan, table -> model_version over every shard)."""
     infos = []
@@ -216,14 +166,8 @@ async def shard_state(addresses: Sequence[str]) -> tuple[ShardingPlan, dict[str,
     return plan, versions_from_shard_info(infos)
 
 
-def _write_port_file(path: str, port: int) -> None:
-    tmp = Path(path + ".tmp")
-    tmp.write_text(str(port))
-    os.replace(tmp, path)
-
-
 async def _load(config: RankerProcessConfig) -> RankingCore:
-    await wait_for_shards(config.shard_addresses, SHARD_WAIT_S)
+    await wait_until_serving(config.shard_addresses, what="shard", timeout_s=SHARD_WAIT_S)
     plan, reported = await shard_state(config.shard_addresses)
     models = await open_model_set(config.cluster, config.models_dir, config.shard_addresses, plan=plan, reported=reported)
     return RankingCore(config.cluster.ranker, models)
@@ -232,7 +176,7 @@ async def _load(config: RankerProcessConfig) -> RankingCore:
 async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None) -> None:
     """Run one ranker until ``stop`` is set or SIGTERM / SIGINT arrives."""
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
-    slot = CoreSlot()
+    slot: Slot[RankingCore] = Slot("ranker (models and shard tables)")
     ranking_pb2_grpc.add_RankingServicer_to_server(RankingServicer(slot), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(slot, config), server)
     health = await add_health_and_reflection(server, [RANKING_SERVICE, ADMIN_SERVICE])  # NOT_SERVING until loaded
@@ -242,15 +186,10 @@ async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None) 
         raise Unavailable(f"ranker: cannot listen on {config.host}:{config.port} (port in use or address not local); pick another --port") from None
     await server.start()
     if config.port_file:
-        _write_port_file(config.port_file, port)
+        write_port_file(config.port_file, port)
     log.info("ranker listening on %s:%d (loading models from %s)", config.host, port, config.models_dir)
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
+    stop_on_signals(stop)
     core: RankingCore | None = None
     loading = asyncio.ensure_future(_load(config))
     stopping = asyncio.ensure_future(stop.wait())
@@ -261,7 +200,7 @@ async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None) 
             return
         core = loading.result()
         core.start()
-        slot.core = core
+        slot.value = core
         models = core.current
         for name in ("", RANKING_SERVICE, ADMIN_SERVICE):
             await health.set(name, health_pb2.HealthCheckResponse.SERVING)

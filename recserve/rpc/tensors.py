@@ -115,3 +115,14 @@ def dequantize_int8(fused: np.ndarray) -> np.ndarray:
     out *= tail[:, :1]
     out += tail[:, 1:2]
     return out
+
+
+def ids_from(tensor: common_pb2.Tensor, field: str) -> np.ndarray:
+    """An optional rank-1 id tensor (INT64 or INT32; unset = empty) -> int64 ``[n]``.
+    InvalidArgument naming ``field`` for any other dtype or rank."""
+    if not tensor.data and not tensor.shape:
+        return np.zeros(0, dtype=np.int64)
+    array = unpack(tensor, field, expect_ndim=1)
+    if array.dtype.kind not in "iu":
+        raise InvalidArgument(f"{field}: dtype is {common_pb2.DType.Name(tensor.dtype)}; send ids as INT64")
+    return array.astype(np.int64, copy=False)

@@ -10,7 +10,7 @@ FBGEMM := $(shell if nvidia-smi -L >/dev/null 2>&1; then echo fbgemm-gpu==1.8.0;
 PACKAGES := recserve embedding_server ranker cascade generation
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test unit integration typecheck protos redis bench-scheduler bench-sharding bench-lookup clean
+.PHONY: venv demo test unit integration typecheck protos redis bench-scheduler bench-sharding bench-lookup bench-rank clean
 
 venv: $(STAMP)
 
@@ -55,6 +55,9 @@ bench-sharding: $(STAMP)
 
 bench-lookup: $(STAMP) redis
 	$(BIN)/recserve bench lookup
+
+bench-rank: $(STAMP)
+	$(BIN)/recserve bench rank
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache build *.egg-info

@@ -19,7 +19,12 @@ sampling, as a retrieval stage returns a popularity-skewed list), the user Zipf
 scheduled arrival + ``--timeout-ms`` (later = failed), so p99 can show the overload
 beyond the SLO. Each config's knee comes from the shared
 :func:`recserve.bench.knee.find_knee_async`: the highest offered rate at which >= 99% of
-the requests are answered OK within ``--slo-ms`` (50) and not degraded.
+the requests are answered OK within ``--slo-ms`` (50) and not degraded. Probes are
+independent: before each one the rankers' counters must stand still (the last probe's
+backlog has drained), and after a probe that did not pass the config's rankers are
+restarted (``--keep-rankers`` turns that off; see :func:`knee_of` for why). After the
+search a closed-loop run (``--saturation-concurrency`` in flight for
+``--saturation-seconds``) measures each config's throughput ceiling, latency unbounded.
 
 Reported (table, or one JSON object with ``--json``; PNG of p99 against the offered
 rate at ``--plot``, default ``OUT/rank_p99.png``):
@@ -34,7 +39,10 @@ rate at ``--plot``, default ``OUT/rank_p99.png``):
   DLRM's ``score_pooled``, fitted in this process on CPU; ``forward_cost_cuda`` when
   CUDA is present), ``dedup_ratio`` (batched, at its knee) and
   ``theoretical_batching_cap`` (the forward-only cap at the batched knee's mean batch,
-  formula in ``theoretical_batching_cap_formula``).
+  formula in ``theoretical_batching_cap_formula``); the closed-loop ceilings
+  (``saturation_requests_per_s``, ``saturation_gain``, ``saturation_scaling_2_rankers``,
+  the cap at the closed loop's mean batch). Each probe also records the host's 1-minute
+  load average: other work on a shared machine shows up there.
 
 Goals (issue 11): batched knee >= 3x the unbatched one; two rankers >= 1.6x one. On a
 2-core machine the shards, the rankers and this load generator share the cores, so a
@@ -111,6 +119,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-requests", type=int, default=200, help="closed-loop requests before each config's search (shard caches, channels; default 200)")
     p.add_argument("--saturation-seconds", type=float, default=3.0, help="closed-loop run after each knee search, the throughput ceiling (default 3 s; 0 = skip)")
     p.add_argument("--saturation-concurrency", type=int, default=64, help="requests in flight in the closed-loop run (default 64)")
+    p.add_argument("--keep-rankers", action="store_true",
+                   help="do not restart the rankers after a probe that failed (later probes then inherit its overload state)")
     p.add_argument("--lo-rps", type=float, default=10.0, help="knee search: lowest offered rate (default 10/s)")
     p.add_argument("--hi-rps", type=float, default=1_000.0, help="knee search: highest offered rate (default 1000/s)")
     p.add_argument("--tolerance", type=float, default=0.05, help="knee search: stop when the bracket is within this ratio (default 0.05)")
@@ -381,11 +391,19 @@ async def saturate(send: Send, addresses: Sequence[str], args: argparse.Namespac
     return out
 
 
-async def knee_of(name: str, addresses: Sequence[str], world: World, args: argparse.Namespace, routing: Any) -> dict[str, Any]:
+async def knee_of(name: str, addresses: Sequence[str], world: World, args: argparse.Namespace, routing: Any,
+                  restart: Callable[[], None] | None) -> dict[str, Any]:
     """Warm up, then bisect for this config's knee; every probe with its latency,
-    batch and dedup figures (ModelStatus deltas around it)."""
+    batch and dedup figures (ModelStatus deltas around it), then the closed-loop ceiling.
+
+    ``restart`` (None: never) restarts this config's rankers; it runs before any probe
+    that follows one which did not pass, so every probe starts from a fresh ranker. A
+    ranker keeps state from an overload: its SLO controller shrinks the batch cap (down
+    to 5% of ``max_batch_candidates``, below one 500-candidate request) and grows it back
+    only after p99 stays under half the SLO, so without the restart the probes after
+    the search's overloaded ``hi_rps`` probe measure that recovery, not the rate."""
+    from recserve.bench.knee import OK_TARGET, ProbeResult, find_knee_async
     from recserve.client import RankingClient
-    from recserve.bench.knee import ProbeResult, find_knee_async
 
     users, cands = world.users, world.candidates
     pool = users.shape[0]
@@ -396,13 +414,29 @@ async def knee_of(name: str, addresses: Sequence[str], world: World, args: argpa
             k = i % pool
             return (await client.rank(int(users[k]), cands[k], model="dlrm", deadline=deadline)).degraded
 
-        async def warm(first: int) -> None:  # closed loop, 2 in flight per ranker
-            for i in range(first, args.warmup_requests, 2 * len(addresses)):
-                await send(i, time.monotonic() + 30.0)
+        async def warm(count: int) -> None:  # closed loop, 2 in flight per ranker
+            async def one(first: int) -> None:
+                for i in range(first, count, 2 * len(addresses)):
+                    await send(i, time.monotonic() + 30.0)
 
-        await asyncio.gather(*(warm(k) for k in range(2 * len(addresses))))
+            await asyncio.gather(*(one(k) for k in range(2 * len(addresses))))
+
+        await warm(args.warmup_requests)
+        dirty = False  # the last probe did not pass: the rankers carry its overload
+        restarts = 0
+
+        async def fresh() -> bool:
+            nonlocal dirty, restarts
+            if not dirty or restart is None:
+                return False
+            await asyncio.to_thread(restart)  # blocks until SERVING: off the loop
+            await warm(min(args.warmup_requests, 16 * len(addresses)))  # the shards are warm; the new process is not
+            dirty, restarts = False, restarts + 1
+            return True
 
         async def run(rate: float) -> ProbeResult:
+            nonlocal dirty
+            restarted = await fresh()
             before = await quiet_status(addresses)  # the last probe's backlog has drained
             seconds = min(max(args.probe_seconds, args.min_probe_requests / rate), max(args.probe_seconds, args.max_probe_seconds))
             result, figures = await probe(rate, send, seconds=seconds, max_requests=args.max_probe_requests, slo_s=args.slo_ms / 1e3,
@@ -410,15 +444,21 @@ async def knee_of(name: str, addresses: Sequence[str], world: World, args: argpa
             after = await model_status(addresses)
             figures.update(_deltas(before, after))
             figures["loadavg_1m"] = os.getloadavg()[0]  # other work on the box shows up here
+            figures["after_restart"] = restarted
+            dirty = result.ok_fraction < OK_TARGET
             extras.append(figures)
             p99 = "n/a" if figures["p99_ms"] is None else f"{figures['p99_ms']:.1f}"
             _log(f"{name}: {rate:,.0f}/s offered -> {result.ok_fraction:.1%} OK, p99 {p99} ms, {figures['mean_batch_requests'] or 0:.1f} requests/forward")
             return result
 
         found = await find_knee_async(run, lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance)
-        saturation = await saturate(send, addresses, args) if args.saturation_seconds > 0 else None
+        saturation = None
+        if args.saturation_seconds > 0:
+            await fresh()
+            saturation = await saturate(send, addresses, args)
     out = found.to_dict()
     out["saturation"] = saturation
+    out["restarts"] = restarts
     out["probes"] = [{**p, **e} for p, e in zip(out["probes"], extras)]
     at_knee = [p for p in out["probes"] if p["passed"] and p["rate_per_s"] == found.knee_per_s]
     knee_probe = at_knee[-1] if at_knee else None
@@ -463,8 +503,14 @@ def _run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             count = max(CONFIGS[n][1] for n in names)
             with RankerCluster(world.specs[batching], world.models, shards.addresses, num_rankers=count, data_root=root / f"rankers-{batching}") as rankers:
                 for n in names:
-                    addresses = list(rankers.addresses[: CONFIGS[n][1]])
-                    configs[n] = asyncio.run(knee_of(n, addresses, world, args, cluster.routing))
+                    used = range(CONFIGS[n][1])
+
+                    def restart(rankers: RankerCluster = rankers, used: range = used) -> None:
+                        for k in used:
+                            rankers.restart(k)
+
+                    addresses = [rankers.address(k) for k in used]
+                    configs[n] = asyncio.run(knee_of(n, addresses, world, args, cluster.routing, None if args.keep_rankers else restart))
     return summarise(args, configs, costs, cap_formula=CAP_FORMULA, cap=batching_cap, seconds=time.perf_counter() - started)
 
 
@@ -497,6 +543,7 @@ def summarise(args: argparse.Namespace, configs: dict[str, dict[str, Any]], cost
                    "slo_ms": args.slo_ms, "timeout_ms": args.timeout_ms, "probe_seconds": args.probe_seconds, "min_probe_requests": args.min_probe_requests,
                    "max_probe_seconds": args.max_probe_seconds, "max_probe_requests": args.max_probe_requests, "warmup_requests": args.warmup_requests,
                    "saturation_seconds": args.saturation_seconds, "saturation_concurrency": args.saturation_concurrency,
+                   "keep_rankers": args.keep_rankers,
                    "lo_rps": args.lo_rps, "hi_rps": args.hi_rps,
                    "tolerance": args.tolerance, "max_wait_ms": args.max_wait_ms, "max_batch_candidates": args.max_batch_candidates, "seed": args.seed, "cpus": cpus},
         "knee_batched": knee["batched"],

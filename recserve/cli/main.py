@@ -23,10 +23,11 @@ COMMANDS: dict[str, str] = {
     "demo": "recserve.cli.demo_cmd",
     "train": "recserve.cli.train_cmd",
     "ranker": "recserve.cli.ranker_cmd",
+    "cascade": "recserve.cli.cascade_cmd",
+    "serve": "recserve.cli.serve_cmd",
 }
 # Planned subcommands (later issues); listed in --help so users see the roadmap.
 PLANNED: dict[str, str] = {
-    "serve": "serve the whole cascade (Recommend) over gRPC and HTTP",
     "loadtest": "open-loop load test of the accumulation windows and the cascade",
 }
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     # Third-party libraries (fbgemm, torch) log chatter at INFO on the root logger; keep
     # them at WARNING and show recserve's own INFO lines.
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for name in ("recserve", "embedding_server", "ranker"):
+    for name in ("recserve", "embedding_server", "ranker", "cascade"):
         logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
     if not getattr(args, "func", None):
         parser.print_help()

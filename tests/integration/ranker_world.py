@@ -61,9 +61,16 @@ class RankerWorld:
 
 
 def spec_text(manifest: dict[str, object], models: Path, extra: str = "") -> str:
-    """The export's cluster spec with the test's [ranker] settings (and ``extra`` TOML)."""
+    """The export's cluster spec with the test's [ranker] settings, plus ``extra`` TOML
+    whose sections replace the generated ones of the same name."""
     text = cluster_spec_toml(manifest, models, num_shards=2)  # type: ignore[arg-type]
-    return text.replace("[ranker]\n", RANKER_SECTION, 1) + extra
+    text = text.replace("[ranker]\n", RANKER_SECTION, 1)
+    for line in extra.splitlines():
+        if line.startswith("[") and not line.startswith("[[") and line in text:
+            start = text.index(line + "\n")
+            end = text.find("\n\n", start)
+            text = text[:start] + text[end + 2 if end >= 0 else len(text) :]
+    return text + extra
 
 
 def make_ranker_world(root: Path) -> RankerWorld:

@@ -94,7 +94,7 @@ def test_bench_rank_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
          "--probe-seconds", "0.3", "--min-probe-requests", "10", "--max-probe-seconds", "0.5", "--warmup-requests", "8",
          "--lo-rps", "10", "--hi-rps", "30", "--tolerance", "0.9", "--slo-ms", "500", "--timeout-ms", "1000",
          "--saturation-seconds", "0.4", "--saturation-concurrency", "8",
-         "--cost-sizes", "1,100,400", "--cost-repeats", "2", "--workdir", str(tmp_path / "work"), "--plot", str(plot), "--json"]
+         "--cost-sizes", "1,100,400", "--cost-repeats", "2", "--keep-rankers", "--workdir", str(tmp_path / "work"), "--plot", str(plot), "--json"]
     )  # fmt: skip
     threads = torch.get_num_threads()
     try:

@@ -111,3 +111,46 @@ def test_configs_are_frozen_and_derivable() -> None:
     assert (s.num_shards, t.num_shards) == (4, 8)
     with pytest.raises(ConfigError, match="sharding.hot_replicas = 4"):
         dataclasses.replace(s, num_shards=3, hot_replicas=4)
+
+
+@pytest.mark.parametrize(
+    "extra, field, value, fix",
+    [
+        ("l0_out = 500\n", "cascade.l0_out", "500", "0 (auto from the catalog size) or at least l1_out (1000)"),
+        ("l1_out = 50\n", "cascade.l1_out..l3_out", "(50, 100, 10)", "l1_out >= l2_out >= l3_out"),
+        ("l3_out = 0\n", "cascade.l1_out..l3_out", "(1000, 100, 0)", "positive stage sizes"),
+        ("l0_fraction = 0.0\n", "cascade.l0_fraction", "0.0", "fraction of the catalog in (0, 1]"),
+        ("max_k = 5\n", "cascade.max_k", "5", "at least l3_out (10)"),
+        ("reply_margin_ms = 150\n", "cascade.reply_margin_ms", "150.0", "0..default_deadline_ms (100.0)"),
+        ("reply_margin_ms = -1\n", "cascade.reply_margin_ms", "-1.0", "0..default_deadline_ms"),
+        ("min_stage_ms = -0.5\n", "cascade.min_stage_ms", "-0.5", ">= 0 ms"),
+        ("cost_alpha = 0\n", "cascade.cost_alpha", "0.0", "EWMA weight in (0, 1]"),
+        ("cost_quantile = 0.3\n", "cascade.cost_quantile", "0.3", "0 (no safety margin) or a quantile in [0.5, 1)"),
+        ("cost_prior_fixed_ms = [1, 2, 3]\n", "cascade.cost_prior_fixed_ms", "(1.0, 2.0, 3.0)", "4 finite costs >= 0 (L0..L3)"),
+        ("cost_prior_per_item_us = [1, -2, 3, 4]\n", "cascade.cost_prior_per_item_us", "-2.0", "4 finite costs >= 0"),
+        ("probe_after_skips = -1\n", "cascade.probe_after_skips", "-1", "0 = never probe"),
+        ("index_factory = \"IVF64, PQ8\"\n", "cascade.index_factory", "'IVF64, PQ8'", "faiss factory string without spaces"),
+        ("index_factory = 5\n", "cascade.index_factory", "5", "quoted string"),
+        ("nprobe = -2\n", "cascade.nprobe", "-2", "0 (the index's default)"),
+        ("ef_search = -2\n", "cascade.ef_search", "-2", "0 (the index's default)"),
+        ("popular_per_category = 0\n", "cascade.popular_per_category", "0", "at least 1 item per category"),
+        ("log_max_bytes = 10\n", "cascade.log_max_bytes", "10", "at least 4096 bytes"),
+        ("log_backups = 0\n", "cascade.log_backups", "0", "at least 1 rotated file"),
+        ("log_path = 3\n", "cascade.log_path", "3", "quoted string"),
+        ("nprobe = 1.5\n", "cascade.nprobe", "1.5", "use an integer"),
+    ],
+)
+def test_bad_cascade_values_name_field_value_and_fix(extra: str, field: str, value: str, fix: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        loads(BASE + "[cascade]\n" + extra)
+    msg = str(info.value)
+    assert f"{field} = " in msg and value in msg and fix in msg, msg
+
+
+def test_cascade_defaults_and_overrides_parse() -> None:
+    cfg = default_config().cascade
+    assert (cfg.l0_out, cfg.l1_out, cfg.l2_out, cfg.l3_out) == (0, 1000, 100, 10)  # l0 auto: 1% of the catalog
+    assert (cfg.reply_margin_ms, cfg.default_deadline_ms, cfg.index_factory, cfg.log_path) == (3.0, 100.0, "auto", "")
+    c = loads(BASE + '[cascade]\nl0_out = 5000\nreply_margin_ms = 2\ncost_prior_fixed_ms = [1, 1, 4, 4]\nindex_factory = "IVF256,PQ16"\nnprobe = 16\nlog_path = "/tmp/impressions.log"\n').cascade
+    assert (c.l0_out, c.reply_margin_ms, c.index_factory, c.nprobe, c.log_path) == (5000, 2.0, "IVF256,PQ16", 16, "/tmp/impressions.log")
+    assert c.cost_prior_fixed_ms == (1.0, 1.0, 4.0, 4.0) and type(c.cost_prior_fixed_ms[0]) is float

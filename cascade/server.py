@@ -1,0 +1,149 @@
+"""The cascade process (``recserve cascade serve``): Recommender and Admin over gRPC,
+health, reflection, start-up and shutdown.
+
+Start-up: listen first (health NOT_SERVING, calls UNAVAILABLE with a retry hint), open
+the export, load or build the L0 index (progress bar), connect the ranking client and
+wait until every ranker answers health SERVING, then SERVING for "",
+``recserve.v1.Recommender`` and ``recserve.v1.Admin``. SIGTERM: health NOT_SERVING, a
+grace period for in-flight calls, then the ranking client closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import time
+
+import grpc
+from grpc_health.v1 import health_pb2
+
+from cascade.report import to_proto
+from cascade.service import CascadeCore, RecommendQuery, open_cascade
+from recserve.config.spec import ClusterConfig
+from recserve.errors import PermissionDenied, RecserveError, Unavailable
+from recserve.rpc.deadline import context_from_header
+from recserve.rpc.server import add_health_and_reflection, make_server
+from recserve.rpc.status import abort_with
+from recserve.rpc.serving import Slot, stop_on_signals, wait_until_serving, write_port_file
+from recserve.rpc.tensors import ids_from, pack
+from recserve.v1 import admin_pb2, admin_pb2_grpc, recommender_pb2, recommender_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+RECOMMENDER_SERVICE = recommender_pb2.DESCRIPTOR.services_by_name["Recommender"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+MAX_MESSAGE_BYTES = 64 << 20
+GRACE_S = 2.0
+RANKER_WAIT_S = 180.0
+
+
+@dataclasses.dataclass(frozen=True)
+class CascadeProcessConfig:
+    cluster: ClusterConfig
+    models_dir: str
+    ranker_addresses: tuple[str, ...]
+    shard_addresses: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    port_file: str = ""
+    admin_token: str = ""
+    index_dir: str = ""  # a saved index to load ('' = build from the export's vectors)
+
+
+class RecommenderServicer(recommender_pb2_grpc.RecommenderServicer):
+    def __init__(self, slot: Slot[CascadeCore]) -> None:
+        self.slot = slot
+
+    async def Recommend(self, request: recommender_pb2.RecommendRequest, context: grpc.aio.ServicerContext) -> recommender_pb2.RecommendResponse:
+        try:
+            core = self.slot.get()
+            ctx = context_from_header(request.header, context.time_remaining(), default_timeout_s=core.config.default_deadline_ms / 1e3)
+            query = core.query(request.user_id, request.k, ids_from(request.exclude_ids, "exclude_ids"), ids_from(request.recent_item_ids, "recent_item_ids"),
+                               deadline=ctx.deadline, tenant=ctx.tenant, priority=ctx.priority, request_id=ctx.request_id)
+            rec = await core.recommend(query)
+        except RecserveError as exc:
+            await abort_with(context, exc)
+            raise
+        return recommender_pb2.RecommendResponse(
+            item_ids=pack(rec.item_ids), scores=pack(rec.scores), stages=[to_proto(r) for r in rec.reports], coverage=rec.coverage,
+            degraded=rec.degraded, degraded_reason=rec.degraded_reason, index_version=rec.index_version, model_version=rec.model_version,
+        )  # fmt: skip
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, slot: Slot[CascadeCore], process: CascadeProcessConfig) -> None:
+        self.slot = slot
+        self.process = process
+
+    def _check_token(self, token: str, method: str) -> None:
+        want = self.process.admin_token
+        if want and not hmac.compare_digest(token.encode(), want.encode()):
+            raise PermissionDenied(f"Admin.{method} needs the admin token (admin_token)")
+
+    async def RefreshIndex(self, request: admin_pb2.RefreshIndexRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RefreshIndexResponse:
+        try:
+            core = self.slot.get()
+            self._check_token(request.admin_token, "RefreshIndex")
+            t0 = time.perf_counter()
+            new, old = await core.refresh_index(request.index_path)
+        except RecserveError as exc:
+            await abort_with(context, exc)
+            raise
+        return admin_pb2.RefreshIndexResponse(index_version=new, previous_version=old, items=core.index_items(), seconds=time.perf_counter() - t0)
+
+    async def ModelStatus(self, request: admin_pb2.ModelStatusRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ModelStatusResponse:
+        try:
+            core = self.slot.get()
+        except RecserveError as exc:
+            await abort_with(context, exc)
+            raise
+        return admin_pb2.ModelStatusResponse(model_version=core.view.model_version, models_dir=str(core.view.path), requests=core.requests)
+
+
+async def _load(config: CascadeProcessConfig) -> CascadeCore:
+    await wait_until_serving(config.ranker_addresses, service="recserve.v1.Ranking", what="ranker", timeout_s=RANKER_WAIT_S)
+    return await open_cascade(config.cluster, config.models_dir, config.ranker_addresses, index_dir=config.index_dir)
+
+
+async def serve(config: CascadeProcessConfig, stop: asyncio.Event | None = None) -> None:
+    """Run the cascade until ``stop`` is set or SIGTERM / SIGINT arrives."""
+    server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
+    slot: Slot[CascadeCore] = Slot("cascade (index and rankers)")
+    recommender_pb2_grpc.add_RecommenderServicer_to_server(RecommenderServicer(slot), server)
+    admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(slot, config), server)
+    health = await add_health_and_reflection(server, [RECOMMENDER_SERVICE, ADMIN_SERVICE])
+    try:
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError:
+        raise Unavailable(f"cascade: cannot listen on {config.host}:{config.port} (port in use or address not local); pick another --port") from None
+    await server.start()
+    if config.port_file:
+        write_port_file(config.port_file, port)
+    log.info("cascade listening on %s:%d (loading %s)", config.host, port, config.models_dir)
+    stop = stop or asyncio.Event()
+    stop_on_signals(stop)
+    core: CascadeCore | None = None
+    loading = asyncio.ensure_future(_load(config))
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            loading.cancel()
+            return
+        core = loading.result()
+        slot.value = core
+        for name in ("", RECOMMENDER_SERVICE, ADMIN_SERVICE):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        log.info("cascade SERVING on %s:%d: index %s, model_version %s", config.host, port, core.index_version, core.view.model_version)
+        await stop.wait()
+    finally:
+        stopping.cancel()
+        await health.enter_graceful_shutdown()
+        await server.stop(GRACE_S)
+        if core is not None:
+            await core.aclose()
+
+
+__all__ = ["CascadeProcessConfig", "RecommendQuery", "serve"]

@@ -1,0 +1,279 @@
+"""The cascade's core: one ``Recommend`` through L0-L3 within its deadline
+(docs/architecture.md §8; reference §10.15.4, Table 28).
+
+Stages, each planned by :class:`~cascade.budget.StagePlanner` (RUN, SHRINK to the
+best-scored prefix that fits, or SKIP so the previous order passes through):
+
+- **L0** (this process): the user vector from ``Ranking.EmbedUser`` (with the request's
+  ``recent_item_ids`` as extra history), an approximate FAISS search
+  (:mod:`cascade.index`), merged with popular items of the user's recent categories
+  (:mod:`cascade.sources`); the request's ``exclude_ids``, its recent items and the
+  user's exported history are removed. A user the models have never seen and with no
+  recent items gets the globally popular items (``cold_start``).
+- **L1** (this process): exact full-precision two-tower scores plus a popularity prior,
+  one matmul over L0's candidates.
+- **L2**: DLRM through ``Ranking.Rank`` (routed by :class:`~recserve.client.RankingClient`:
+  two choices, breakers, one retry budget; the rankers batch concurrent requests, the
+  cascade does not re-batch).
+- **L3**: the sequence reranker through ``Rank(model="l3")``.
+
+An RPC stage is bounded by its stage deadline. One that fails or runs out of time
+passes the previous order through (``timeout``); one whose lookups missed rows reports
+``lookup_missing`` with its coverage. Each response's ``scores`` are those of the last
+stage that scored each item (a stage that shrank leaves the tail with earlier scores),
+so only the order is comparable across items, not the scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from cascade.budget import DecisionKind, RequestBudget, Stage, StageDecision, StagePlanner, resolve_k, stage_sizes_for
+from cascade.export_view import ExportView, open_export_view
+from cascade.index import IndexConfig, IndexHolder, RetrievalIndex, build_index
+from cascade.report import DegradedReason, StageReport, summarize
+from cascade.sources import PopularByCategory, merge_candidates, recent_categories
+from recserve.client import RankingClient
+from recserve.config.spec import CascadeConfig, ClusterConfig
+from recserve.errors import DeadlineExceeded, InvalidArgument, RecserveError, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+# L1's popularity prior: score = u·v + POPULARITY_PRIOR · log1p(impressions) / log1p(max).
+# The two-tower was trained with most of the logQ popularity correction applied, so its
+# inner products under-rate popular items that the click model still favours.
+POPULARITY_PRIOR = 0.05
+# Faults an RPC stage absorbs by passing the previous order through.
+PASS_THROUGH = (DeadlineExceeded, Unavailable, ResourceExhausted)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecommendQuery:
+    """One validated request (ids int64; ``deadline`` monotonic seconds)."""
+
+    user_id: int
+    k: int
+    exclude: np.ndarray
+    recent: np.ndarray
+    deadline: float
+    tenant: str = "default"
+    priority: str = "standard"
+    request_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Recommendation:
+    item_ids: np.ndarray  # int64 [k']
+    scores: np.ndarray  # float32 [k']
+    reports: list[StageReport]
+    coverage: float
+    degraded: bool
+    degraded_reason: str
+    index_version: str
+    model_version: str
+
+
+@dataclasses.dataclass
+class _Order:
+    """The candidates in their current order, with the scores that ordered them."""
+
+    ids: np.ndarray  # int64 [n]
+    scores: np.ndarray  # float32 [n]
+
+    def head(self, n: int) -> _Order:
+        return _Order(self.ids[:n], self.scores[:n])
+
+
+class CascadeCore:
+    """Runs Recommend requests (see the module docstring)."""
+
+    def __init__(self, config: CascadeConfig, view: ExportView, index: IndexHolder, client: RankingClient, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.config = config
+        self.view = view
+        self.index = index
+        self.client = client
+        self.clock = clock
+        self.planner = StagePlanner(config)
+        self.popular = PopularByCategory(np.asarray(view.item_category), np.asarray(view.item_impressions), per_category=config.popular_per_category)
+        imp = np.log1p(np.asarray(view.item_impressions, dtype=np.float32))
+        self.prior = (POPULARITY_PRIOR * imp / max(float(imp.max()), 1e-6)).astype(np.float32)
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="cascade-l0")
+        self.requests = 0
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+        self._executor.shutdown(wait=True)
+
+    @property
+    def index_version(self) -> str:
+        return self.index.current.index_version
+
+    def index_items(self) -> int:
+        return self.index.current.ntotal
+
+    # ---- requests --------------------------------------------------------------------
+
+    def query(self, user_id: int, k: int, exclude: np.ndarray, recent: np.ndarray, *, deadline: float,
+              tenant: str = "default", priority: str = "standard", request_id: str = "") -> RecommendQuery:  # fmt: skip
+        """Validate one request (InvalidArgument naming the field and the value)."""
+        n = self.view.num_items
+        if user_id < 0:
+            raise InvalidArgument(f"user_id = {user_id} is invalid: use a user id >= 0 (ids beyond the {self.view.num_users:,} known users are new users)")
+        resolve_k(self.config, k, n)
+        for field, ids in (("exclude_ids", exclude), ("recent_item_ids", recent)):
+            bad = np.flatnonzero((ids < 0) | (ids >= n))
+            if bad.size:
+                i = int(bad[0])
+                raise InvalidArgument(f"{field}[{i}] = {int(ids[i])} is out of range: item ids are 0..{n - 1:,}")
+        return RecommendQuery(user_id, k, exclude, recent, deadline, tenant, priority, request_id)
+
+    async def recommend(self, q: RecommendQuery) -> Recommendation:
+        budget = self.planner.open(q.deadline, self.clock())  # DEADLINE_EXCEEDED before any stage
+        sizes = stage_sizes_for(self.config, self.view.num_items, q.k)
+        history = self.view.history(q.user_id)
+        seen = np.concatenate((history, q.recent, q.exclude))
+        cold = q.user_id >= self.view.num_users
+        reports: list[StageReport] = []
+        order, user_vector, index_version, cold = await self._l0(q, budget, sizes.l0, history, seen, cold, reports)
+        order = self._l1(budget, order, user_vector, cold, sizes.l1, reports)
+        order = await self._rank_stage(Stage.L2, "dlrm", q, budget, order, sizes.l2, reports)
+        order = await self._rank_stage(Stage.L3, "l3", q, budget, order, sizes.l3, reports)
+        summary = summarize(reports, cold_start=cold)
+        self.requests += 1
+        return Recommendation(
+            item_ids=order.ids[: sizes.l3], scores=order.scores[: sizes.l3].astype(np.float32), reports=reports, coverage=summary.coverage,
+            degraded=summary.degraded, degraded_reason=summary.degraded_reason.value, index_version=index_version, model_version=self.view.model_version,
+        )  # fmt: skip
+
+    # ---- stages ----------------------------------------------------------------------
+
+    async def _l0(self, q: RecommendQuery, budget: RequestBudget, n_out: int, history: np.ndarray, seen: np.ndarray, cold: bool,
+                  reports: list[StageReport]) -> tuple[_Order, np.ndarray | None, str, bool]:  # fmt: skip
+        t0 = self.clock()
+        decision = self.planner.plan(budget, Stage.L0, n_out, t0)
+        index = self.index.current  # one index for the whole request, whatever a refresh does meanwhile
+        reason = DegradedReason.NONE
+        vector: np.ndarray | None = None
+        if decision.kind is not DecisionKind.SKIP and (not cold or q.recent.size):
+            try:
+                emb = await self.client.embed_user(q.user_id, history_item_ids=q.recent, deadline=decision.deadline_s)
+                vector = np.asarray(emb.vector, dtype=np.float32)
+                cold = cold or "cold_start" in emb.degraded_reason.split(",")
+            except PASS_THROUGH as exc:
+                log.debug("L0 EmbedUser failed: %s", exc)
+                reason = DegradedReason.TIMEOUT
+        recent_cats = recent_categories(np.concatenate((history, q.recent)), np.asarray(self.view.item_category))
+        n_run = decision.n_run if decision.kind is not DecisionKind.SKIP else n_out
+        secondary = self.popular.candidates(recent_cats, max(1, n_run // 10)) if recent_cats.size else self.popular.global_top(n_run + seen.size)
+        if vector is not None:
+            k = min(index.ntotal, n_run + seen.size)  # room for the items removed afterwards
+            loop = asyncio.get_running_loop()
+            ids, scores, index_version = await loop.run_in_executor(self._executor, lambda: index.search_versioned(vector[None, :], k))
+            merged = merge_candidates(ids[0], scores[0], secondary, q.exclude, seen, limit=n_run)
+            order = _Order(merged.ids, merged.scores)
+        else:  # no user vector (new user without history, or EmbedUser failed): popular items
+            merged = merge_candidates(np.zeros(0, np.int64), np.zeros(0, np.float32), secondary, q.exclude, seen, limit=n_run)
+            order = _Order(merged.ids, self.prior[merged.ids])
+            index_version = index.index_version
+            if reason is DegradedReason.NONE:
+                reason = DegradedReason.COLD_START if cold else DegradedReason.SKIPPED_BUDGET
+        elapsed = self.clock() - t0
+        scored = order.ids.shape[0] if vector is not None else 0
+        reports.append(self.planner.finish(decision, elapsed, order.ids.shape[0], scored=min(scored, decision.n_in), reason=reason))
+        return order, vector, index_version, cold
+
+    def _l1(self, budget: RequestBudget, order: _Order, vector: np.ndarray | None, cold: bool, n_out: int, reports: list[StageReport]) -> _Order:
+        t0 = self.clock()
+        decision = self.planner.plan(budget, Stage.L1, order.ids.shape[0], t0)
+        if vector is None:  # nothing to score with: L0's popular order passes through
+            out = order.head(n_out)
+            reason = DegradedReason.COLD_START if cold else DegradedReason.TIMEOUT
+            reports.append(self.planner.finish(_skipped(decision), self.clock() - t0, out.ids.shape[0], scored=0, reason=reason))
+            return out
+        if decision.kind is DecisionKind.SKIP:
+            out = order.head(n_out)
+            reports.append(self.planner.finish(decision, self.clock() - t0, out.ids.shape[0], scored=0))
+            return out
+        head, tail = order.ids[: decision.n_run], order.ids[decision.n_run :]
+        # One matmul: [n, d] @ [d] exact item-tower scores, plus the popularity prior.
+        scores = np.asarray(self.view.item_vectors[head] @ vector, dtype=np.float32) + self.prior[head]
+        best = np.argsort(-scores, kind="stable")
+        out = _Order(np.concatenate((head[best], tail)), np.concatenate((scores[best], order.scores[decision.n_run :]))).head(n_out)
+        reports.append(self.planner.finish(decision, self.clock() - t0, out.ids.shape[0]))
+        return out
+
+    async def _rank_stage(self, stage: Stage, model: str, q: RecommendQuery, budget: RequestBudget, order: _Order, n_out: int,
+                          reports: list[StageReport]) -> _Order:  # fmt: skip
+        t0 = self.clock()
+        decision = self.planner.plan(budget, stage, order.ids.shape[0], t0)
+        if decision.kind is DecisionKind.SKIP or decision.n_run == 0:
+            out = order.head(n_out)
+            reports.append(self.planner.finish(decision, self.clock() - t0, out.ids.shape[0], scored=0))
+            return out
+        head = order.ids[: decision.n_run]
+        try:
+            res = await self.client.rank(q.user_id, head, model=model, history_item_ids=q.recent, deadline=decision.deadline_s,
+                                         tenant=q.tenant, priority=q.priority)  # fmt: skip
+        except PASS_THROUGH as exc:
+            log.debug("%s Rank failed: %s", stage.name, exc)
+            out = order.head(n_out)
+            reports.append(self.planner.finish(decision, self.clock() - t0, out.ids.shape[0], scored=0, reason=DegradedReason.TIMEOUT))
+            return out
+        except RecserveError:
+            raise
+        out = _Order(np.concatenate((np.asarray(res.item_ids), order.ids[decision.n_run :])),
+                     np.concatenate((np.asarray(res.scores), order.scores[decision.n_run :]))).head(n_out)  # fmt: skip
+        # A missing row affects at most one candidate: scored is a lower bound on the
+        # candidates scored with all their rows.
+        missing = min(int(res.missing_rows), decision.n_run)
+        reason = DegradedReason.LOOKUP_MISSING if "lookup_missing" in res.degraded_reason.split(",") else DegradedReason.NONE
+        reports.append(self.planner.finish(decision, self.clock() - t0, out.ids.shape[0], scored=decision.n_run - missing, reason=reason))
+        return out
+
+    # ---- admin -----------------------------------------------------------------------
+
+    async def refresh_index(self, index_path: str) -> tuple[str, str]:
+        """Swap in a saved index (``index_path``) or one rebuilt from the export's item
+        vectors; returns (new, previous) index versions. Requests already searching
+        finish on the old index (they hold their own reference)."""
+        view = self.view
+        loop = asyncio.get_running_loop()
+        if index_path:
+            new = await loop.run_in_executor(None, lambda: RetrievalIndex.load(index_path, dim=int(view.item_vectors.shape[1]), model_version=view.model_version))
+        else:
+            cfg = self.index.current.config
+            new = await loop.run_in_executor(None, lambda: build_index(np.asarray(view.item_vectors), None, cfg, model_version=view.model_version, progress=False))
+        old = self.index.swap(new)
+        log.info("index refreshed: %s -> %s", old.index_version, new.index_version)
+        return new.index_version, old.index_version
+
+
+def _skipped(decision: StageDecision) -> StageDecision:
+    """``decision`` as a SKIP (a stage that could not run at all, e.g. no user vector)."""
+    return dataclasses.replace(decision, kind=DecisionKind.SKIP, n_run=0, predicted_s=0.0)
+
+
+def index_config(config: CascadeConfig) -> IndexConfig:
+    return IndexConfig(factory=config.index_factory, nprobe=config.nprobe or None, ef_search=config.ef_search or None)
+
+
+async def open_cascade(cluster: ClusterConfig, models_dir: str | Path, ranker_addresses: Sequence[str], *,
+                       index_dir: str = "", progress: bool = True) -> CascadeCore:  # fmt: skip
+    """Open the export, load (``index_dir``) or build the L0 index, connect to the rankers."""
+    view = await asyncio.to_thread(open_export_view, models_dir)
+    if index_dir:
+        index = await asyncio.to_thread(RetrievalIndex.load, index_dir, dim=int(view.item_vectors.shape[1]), model_version=view.model_version)
+    else:
+        index = await asyncio.to_thread(build_index, np.asarray(view.item_vectors), None, index_config(cluster.cascade), model_version=view.model_version, progress=progress)
+    client = RankingClient(ranker_addresses, cluster.routing)
+    await client.start()
+    return CascadeCore(cluster.cascade, view, IndexHolder(index), client)

@@ -1,0 +1,51 @@
+"""``recserve cascade``: run the cascade service (Recommend).
+
+- ``recserve cascade serve --models MODELS --rankers HOST:PORT,... [--config SPEC]
+  [--shards HOST:PORT,...] [--index DIR] [--port P]`` serves ``Recommender.Recommend``
+  (L0 and L1 in this process, L2 and L3 on the rankers) and ``Admin.RefreshIndex``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("cascade", help="the cascade service: Recommend through L0-L3 within a deadline")
+    sub = parser.add_subparsers(dest="cascade_command", metavar="SUBCOMMAND")
+    serve = sub.add_parser("serve", help="run one cascade process")
+    serve.add_argument("--models", type=Path, default=None, help="a `recserve train --out` directory (default: the spec's ranker.models_dir)")
+    serve.add_argument("--config", type=Path, default=None, help="cluster spec TOML (default: the embedded spec)")
+    serve.add_argument("--rankers", required=True, help="comma-separated ranker addresses")
+    serve.add_argument("--shards", default="", help="comma-separated shard addresses (default: the spec's shard_addresses)")
+    serve.add_argument("--index", default="", help="a saved L0 index directory (default: build it from the export's item vectors)")
+    serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=0, help="listen port (0 = pick a free one; see --port-file)")
+    serve.add_argument("--port-file", default="", help="write the bound port here (atomically) once listening")
+    serve.set_defaults(func=_serve)
+    parser.set_defaults(func=lambda args: parser.print_help() or 2)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import asyncio
+    import os
+
+    from cascade.server import CascadeProcessConfig, serve
+    from recserve.config import load
+    from recserve.errors import ConfigError
+
+    cluster = load(args.config)
+    rankers = tuple(a for a in args.rankers.split(",") if a)
+    if not rankers:
+        raise ConfigError("--rankers = '' is invalid: give the ranker addresses (HOST:PORT,...)")
+    models = str(args.models) if args.models is not None else cluster.ranker.models_dir
+    if not models:
+        raise ConfigError("--models is missing: name a `recserve train --out` directory, or set ranker.models_dir in the spec")
+    config = CascadeProcessConfig(
+        cluster=cluster, models_dir=models, ranker_addresses=rankers, shard_addresses=tuple(a for a in args.shards.split(",") if a) or cluster.shard_addresses,
+        host=args.host, port=args.port, port_file=args.port_file, admin_token=os.environ.get("RECSERVE_ADMIN_TOKEN", ""), index_dir=args.index,
+    )  # fmt: skip
+    asyncio.run(serve(config))
+    return 0

@@ -1,0 +1,197 @@
+"""The whole serving cluster from one spec: shards, N rankers and the cascade.
+
+:class:`ServingStack` is what ``recserve serve`` runs (docs/architecture.md §3): the
+spec's ``sharding.num_shards`` shard processes loaded from an export's tables, its
+``[topology] rankers`` ranker processes over them and one cascade process (the
+Recommender) over both, each a :mod:`recserve.cluster` launcher (so every child dies with
+this process, even when it is SIGKILLed). Start order follows the dependencies:
+
+1. shards are spawned; their ports are known once they bind (before they load);
+2. rankers are spawned on those addresses right away: a ranker waits for its shards to
+   be SERVING by itself, so torch's import and the model load overlap the shards'
+   table loads;
+3. shards, then rankers, are awaited (health SERVING), each reported as it comes up;
+4. the cascade is spawned on the rankers' and shards' addresses and awaited.
+
+:meth:`ServingStack.stop` goes the other way: the cascade first (it drains its in-flight
+Recommend calls while the rankers still answer them), then the rankers, then the
+shards. A failed start stops whatever was started before the error propagates::
+
+    stack = ServingStack(cluster, spec_path=spec, models_dir=models, plan_path=plan, data_root=run,
+                         on_endpoint=lambda e: print(e.line()))
+    stack.start()   # every child SERVING
+    ...
+    stack.stop()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from recserve.cluster.cascade import CascadeCluster
+from recserve.cluster.rankers import RankerCluster
+from recserve.cluster.shards import ShardCluster
+from recserve.config.spec import ClusterConfig, ShardServerConfig
+from recserve.lookup.transport import transport_env
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """One SERVING child: the gRPC service a client calls at ``address``."""
+
+    service: str  # "EmbeddingShard", "Ranking", "Recommender"
+    kind: str  # "shard", "ranker", "cascade"
+    index: int  # member k of its kind
+    address: str  # HOST:PORT
+    pid: int
+    log_path: Path
+
+    def line(self) -> str:
+        """``gRPC Ranking at 127.0.0.1:40123 (ranker 0, pid 4242, log /run/ranker-0.log)``."""
+        return f"gRPC {self.service} at {self.address} ({self.kind} {self.index}, pid {self.pid}, log {self.log_path})"
+
+
+def _ignore(endpoint: Endpoint) -> None:
+    pass
+
+
+class ServingStack:
+    """Shards + ``cluster.topology.rankers`` rankers + the cascade, configured by
+    ``cluster`` (parsed from ``spec_path``, which every child reads too) and serving the
+    export ``models_dir`` with the sharding plan at ``plan_path``. Children keep their
+    data (shards' RocksDB), logs and port files under ``data_root``.
+
+    ``cascade=False`` stops at the rankers (the Ranking service alone). ``shard_server``
+    overrides the spec's per-shard settings (e.g. the row cache a budget plan leaves).
+    ``on_endpoint`` is called once per child as it turns SERVING, in start order.
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        *,
+        spec_path: str | Path,
+        models_dir: str | Path,
+        plan_path: str | Path,
+        data_root: str | Path,
+        cascade: bool = True,
+        shard_server: ShardServerConfig | None = None,
+        admin_token: str = "",
+        on_endpoint: Callable[[Endpoint], None] = _ignore,
+        start_timeout_s: float = 300.0,
+        python: str = sys.executable,
+    ) -> None:
+        self.cluster = cluster
+        self.spec_path = Path(spec_path)
+        self.models_dir = Path(models_dir)
+        self.plan_path = Path(plan_path)
+        self.data_root = Path(data_root)
+        self.with_cascade = cascade
+        self.admin_token = admin_token
+        self._on_endpoint = on_endpoint
+        topo = cluster.topology
+        # The lookup path's measured transport settings: the shards get all of them, the
+        # rankers and the cascade (lookup clients) the gRPC I/O path; gRPC and glibc read
+        # them only when a process starts.
+        shard_env = transport_env(cluster.lookup)
+        client_env = {k: v for k, v in shard_env.items() if k == "GRPC_EXPERIMENTS"}
+        self.shards = ShardCluster(
+            self.plan_path, self.data_root / "shards", num_shards=cluster.sharding.num_shards,
+            server=shard_server or cluster.shard_server, load_from=self.models_dir, admin_token=admin_token, env=shard_env,
+            unix_sockets=topo.unix_sockets, start_timeout_s=start_timeout_s, host=topo.host,
+            ports=topo.ports("shard_ports", cluster.sharding.num_shards), python=python,
+        )  # fmt: skip
+        self._client_env = client_env
+        self._start_timeout_s = start_timeout_s
+        self._python = python
+        self.rankers: RankerCluster | None = None
+        self.cascade: CascadeCluster | None = None
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    def __enter__(self) -> ServingStack:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        """Start every child in dependency order (module docstring); return once all
+        are SERVING. On any failure (or KeyboardInterrupt) everything started is
+        stopped before the error propagates."""
+        topo = self.cluster.topology
+        try:
+            self.shards.start(wait=False)  # bound, still loading
+            shard_addresses = self.shards.client_addresses  # unix: sockets when the processes share the host
+            self.rankers = RankerCluster(
+                self.spec_path, self.models_dir, shard_addresses, num_rankers=topo.rankers, data_root=self.data_root / "rankers",
+                env=self._client_env, admin_token=self.admin_token, start_timeout_s=self._start_timeout_s, host=topo.host,
+                ports=topo.ports("ranker_ports", topo.rankers), python=self._python,
+            )  # fmt: skip
+            self.rankers.start(wait=False)
+            for k in range(self.shards.num_shards):
+                self.shards.wait_serving(k)
+                self._report("EmbeddingShard", "shard", k, self.shards.address(k), self.shards.pid(k), self.shards.log_path(k))
+            for k in range(topo.rankers):
+                self.rankers.wait_serving(k)
+                self._report("Ranking", "ranker", k, self.rankers.address(k), self.rankers.pid(k), self.rankers.log_path(k))
+            if self.with_cascade:
+                self.cascade = CascadeCluster(
+                    self.spec_path, self.models_dir, self.rankers.addresses, shard_addresses, data_root=self.data_root / "cascade",
+                    host=topo.host, port=topo.cascade_port, env=self._client_env, admin_token=self.admin_token,
+                    start_timeout_s=self._start_timeout_s, python=self._python,
+                )  # fmt: skip
+                self.cascade.start()
+                self._report("Recommender", "cascade", 0, self.cascade.address, self.cascade.pid, self.cascade.log_path)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        """Stop the cascade, then the rankers, then the shards (each SIGTERM, graceful;
+        SIGKILL past the grace; reaped). Safe to call more than once."""
+        for launcher in (self.cascade, self.rankers, self.shards):
+            if launcher is None:
+                continue
+            try:
+                launcher.stop()
+            except Exception:  # one launcher's failure must not leave the others running
+                log.exception("stopping %s failed", type(launcher).__name__)
+        self.cascade = None
+        self.rankers = None
+
+    def wait_serving(self, timeout_s: float | None = None) -> None:
+        """Block until every running child reports SERVING (at once when they do),
+        raising Unavailable, with its log tail, for one that has exited."""
+        for k in range(self.shards.num_shards):
+            self.shards.wait_serving(k, timeout_s)
+        if self.rankers is not None:
+            for k in range(self.rankers.num_rankers):
+                self.rankers.wait_serving(k, timeout_s)
+        if self.cascade is not None:
+            self.cascade.wait_serving(timeout_s)
+
+    # -- what is running ---------------------------------------------------------------
+
+    @property
+    def pids(self) -> list[int]:
+        """Every child's pid (shards, rankers, cascade)."""
+        pids = [self.shards.pid(k) for k in range(self.shards.num_shards)]
+        if self.rankers is not None:
+            pids += [self.rankers.pid(k) for k in range(self.rankers.num_rankers)]
+        if self.cascade is not None:
+            pids.append(self.cascade.pid)
+        return pids
+
+    def _report(self, service: str, kind: str, k: int, address: str, pid: int, log_path: Path) -> None:
+        endpoint = Endpoint(service=service, kind=kind, index=k, address=address, pid=pid, log_path=log_path)
+        log.info("%s", endpoint.line())
+        self._on_endpoint(endpoint)

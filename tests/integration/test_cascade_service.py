@@ -1,0 +1,201 @@
+"""Recommend through the L0-L3 cascade on a real cluster: 2 shards, 2 rankers and the
+cascade process on loopback, a tiny trained world (tests/integration/ranker_world.py).
+
+Oracles from outside the cascade: FAISS ``IndexFlatIP`` over the exported item vectors
+for what L0 can retrieve, the in-process DLRM for L2's order, and the client's own
+clock for "answers by its deadline".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from recserve.cluster import ShardCluster
+from recserve.cluster.cascade import CascadeCluster
+from recserve.cluster.rankers import RankerCluster
+from recserve.rpc.deadline import make_header
+from recserve.rpc.tensors import pack, unpack
+from recserve.v1 import admin_pb2, recommender_pb2
+from recserve.v1.admin_pb2_grpc import AdminStub
+from recserve.v1.recommender_pb2_grpc import RecommenderStub
+from tests.grpc_fuzz import fuzz_server
+from tests.integration.ranker_world import RankerWorld, make_ranker_world, spec_text
+
+TOKEN = "cascade-token"
+CASCADE = """
+[cascade]
+l0_out = 400
+l1_out = 200
+l2_out = 50
+l3_out = 10
+default_deadline_ms = 2000.0
+index_factory = "IVF16,Flat"
+nprobe = 16
+"""
+
+
+@dataclasses.dataclass
+class Stack:
+    world: RankerWorld
+    shards: ShardCluster
+    rankers: RankerCluster
+    cascade: CascadeCluster
+
+    @property
+    def address(self) -> str:
+        return self.cascade.address
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    world = make_ranker_world(tmp_path_factory.mktemp("cascade"))
+    spec = world.root / "cascade.toml"
+    spec.write_text(spec_text(world.export.manifest, world.models, CASCADE))
+    with ShardCluster(world.plan_path, world.root / "shards", load_from=world.models) as shards:
+        with RankerCluster(spec, world.models, shards.addresses, num_rankers=2, data_root=world.root / "rankers") as rankers:
+            with CascadeCluster(spec, world.models, rankers.addresses, shards.addresses, data_root=world.root / "cascade", admin_token=TOKEN) as cascade:
+                yield Stack(world, shards, rankers, cascade)
+
+
+def recommend(address: str, user: int, k: int = 10, timeout_s: float = 10.0, **tensors: np.ndarray) -> recommender_pb2.RecommendResponse:
+    req = recommender_pb2.RecommendRequest(header=make_header(timeout_s=timeout_s), user_id=user, k=k)
+    for field, value in tensors.items():
+        getattr(req, field).CopyFrom(pack(np.asarray(value, np.int64)))
+    with grpc.insecure_channel(address) as ch:
+        return RecommenderStub(ch).Recommend(req, timeout=timeout_s + 5)
+
+
+def test_a_normal_recommend_returns_k_items_with_no_stage_degraded(stack: Stack) -> None:
+    view = stack.world.export
+    user = 5
+    resp = recommend(stack.address, user, k=10)
+    items = unpack(resp.item_ids, "item_ids")
+    assert items.shape == (10,) and len(set(items.tolist())) == 10
+    assert [s.stage for s in resp.stages] == ["L0", "L1", "L2", "L3"]
+    assert not resp.degraded and all(not s.degraded for s in resp.stages), [(s.stage, s.degraded_reason) for s in resp.stages]
+    assert [s.out_count for s in resp.stages] == [400, 200, 50, 10]
+    assert resp.coverage == pytest.approx(1.0)
+    assert resp.model_version == view.model_version and resp.index_version
+    seen = set(np.asarray(view.arrays.user_history.values)[view.arrays.user_history.offsets[user] : view.arrays.user_history.offsets[user + 1]].tolist())
+    assert not seen & set(items.tolist())  # already-seen items are never recommended
+
+
+def test_exclude_and_recent_items_are_never_returned(stack: Stack) -> None:
+    first = unpack(recommend(stack.address, 7, k=20).item_ids, "item_ids")
+    exclude, recent = first[:5], first[5:8]
+    again = unpack(recommend(stack.address, 7, k=20, exclude_ids=exclude, recent_item_ids=recent).item_ids, "item_ids")
+    assert not set(again.tolist()) & set(first[:8].tolist())
+
+
+def test_bad_requests_get_statuses_and_a_past_deadline_runs_no_stage(stack: Stack) -> None:
+    n = stack.world.export.arrays.num_items
+    with grpc.insecure_channel(stack.address) as ch:
+        stub = RecommenderStub(ch)
+        cases = [
+            (recommender_pb2.RecommendRequest(header=make_header(timeout_s=5), user_id=-3, k=5), "user_id = -3"),
+            (recommender_pb2.RecommendRequest(header=make_header(timeout_s=5), user_id=1, k=-1), "k = -1"),
+            (recommender_pb2.RecommendRequest(header=make_header(timeout_s=5), user_id=1, k=n + 1), "k = "),
+        ]
+        bad_ids = recommender_pb2.RecommendRequest(header=make_header(timeout_s=5), user_id=1, k=5)
+        bad_ids.exclude_ids.CopyFrom(pack(np.array([n + 4], np.int64)))
+        cases.append((bad_ids, f"exclude_ids[0] = {n + 4}"))
+        for req, text in cases:
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Recommend(req, timeout=10)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details(), err.value.details()
+        past = recommender_pb2.RecommendRequest(header=make_header(timeout_s=5), user_id=1, k=5)
+        past.header.deadline_unix_ms = int((time.time() - 1) * 1000)
+        before = AdminStub(ch).ModelStatus(admin_pb2.ModelStatusRequest(), timeout=5).requests
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Recommend(past, timeout=10)
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert AdminStub(ch).ModelStatus(admin_pb2.ModelStatusRequest(), timeout=5).requests == before
+    assert len(unpack(recommend(stack.address, 1, k=5).item_ids, "ids")) == 5  # still serving
+
+
+def test_a_new_user_gets_a_cold_start_answer(stack: Stack) -> None:
+    new_user = stack.world.export.arrays.num_users + 10
+    resp = recommend(stack.address, new_user, k=10)
+    assert resp.degraded and resp.degraded_reason == "cold_start" and len(unpack(resp.item_ids, "i")) == 10
+    with_history = recommend(stack.address, new_user, k=10, recent_item_ids=np.array([3, 4, 5]))
+    assert with_history.degraded_reason == "cold_start" and len(unpack(with_history.item_ids, "i")) == 10
+
+
+def test_a_tight_deadline_shrinks_or_skips_stages_and_answers_in_time(stack: Stack) -> None:
+    deadline_s = 0.015
+    t0 = time.monotonic()
+    resp = recommend(stack.address, 9, k=10, timeout_s=deadline_s)
+    elapsed = time.monotonic() - t0
+    assert resp.degraded and any(s.degraded_reason in ("shrunk_input", "skipped_budget", "timeout") for s in resp.stages)
+    assert len(unpack(resp.item_ids, "i")) == 10
+    assert elapsed < deadline_s + 0.25  # answered near its deadline (the loaded 2-core box adds scheduling noise)
+
+
+def test_fuzzing_leaves_the_cascade_serving(stack: Stack) -> None:
+    def check(channel: grpc.Channel) -> None:
+        assert len(unpack(RecommenderStub(channel).Recommend(recommender_pb2.RecommendRequest(header=make_header(timeout_s=5), user_id=2, k=3), timeout=10).item_ids, "i")) == 3
+
+    good = recommender_pb2.RecommendRequest(header=make_header(timeout_s=5), user_id=2, k=3)
+    report = fuzz_server(stack.address, cases_per_method=12, check=check, examples={"/recserve.v1.Recommender/Recommend": [good]})
+    assert "/recserve.v1.Recommender/Recommend" in report.methods
+
+
+def test_an_index_refresh_under_traffic_drops_no_request_and_changes_the_version(stack: Stack) -> None:
+    versions: list[str] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            try:
+                versions.append(recommend(stack.address, 11, k=5).index_version)
+            except grpc.RpcError as exc:
+                errors.append(exc)
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    try:
+        while len(versions) < 3 and not errors:
+            time.sleep(0.01)
+        with grpc.insecure_channel(stack.address) as ch:
+            reply = AdminStub(ch).RefreshIndex(admin_pb2.RefreshIndexRequest(admin_token=TOKEN), timeout=60)
+        n = len(versions)
+        while len(versions) < n + 3 and not errors:
+            time.sleep(0.01)
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors[:2]
+    assert reply.previous_version != reply.index_version and reply.items == stack.world.export.arrays.num_items
+    first_new = versions.index(reply.index_version)
+    assert first_new > 0 and set(versions[:first_new]) == {reply.previous_version} and set(versions[first_new:]) == {reply.index_version}
+
+
+def test_with_one_of_two_rankers_killed_calls_keep_succeeding(stack: Stack) -> None:
+    stack.rankers.kill(1)
+    try:
+        for user in range(20, 32):
+            resp = recommend(stack.address, user, k=10)
+            assert len(unpack(resp.item_ids, "i")) == 10
+            assert not any(s.degraded_reason == "timeout" for s in resp.stages[2:]), [(s.stage, s.degraded_reason) for s in resp.stages]
+    finally:
+        stack.rankers.restart(1)
+
+
+def test_with_a_shard_killed_the_call_answers_with_lookup_missing(stack: Stack) -> None:
+    """Last: it kills a shard (and restarts it)."""
+    stack.shards.kill(1)
+    try:
+        resp = recommend(stack.address, 13, k=10)
+        assert len(unpack(resp.item_ids, "i")) == 10
+        missing = [s for s in resp.stages if s.degraded_reason == "lookup_missing"]
+        assert missing and all(s.coverage < 1.0 for s in missing) and resp.coverage < 1.0
+    finally:
+        stack.shards.restart(1)

@@ -20,7 +20,9 @@ wiki, "Threads and asynchronous calls": mutation needs mutual exclusion). So a
 it, :meth:`RetrievalIndex.add` takes it alone (adding a few new items takes microseconds
 to milliseconds, so searches wait that long at most; copy-on-write would clone a 1M-item
 index per ``AddItems`` call). Search knobs go in per-call ``SearchParameters``, never in
-the shared index's fields, which another thread may be searching with.
+the shared index's fields, which another thread may be searching with. FAISS releases the
+GIL in search/add/train, and runs a one-query search in the calling thread (no OpenMP
+fan-out), so executor threads searching one request each do run in parallel.
 """
 
 from __future__ import annotations
@@ -484,13 +486,16 @@ def build_index(vectors: np.ndarray, ids: np.ndarray | None, config: IndexConfig
         require(sample >= int(m.group("ivf")), "index.factory", factory, f"IVF{m.group('ivf')} needs >= {m.group('ivf')} training vectors; there are {sample:,} (use fewer lists, e.g. IVF{max(1, sample // MIN_POINTS_PER_CENTROID)})")
 
     t0 = time.monotonic()
-    inner = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
+    inner: Any = faiss.index_factory(d, factory, faiss.METRIC_INNER_PRODUCT)
     ivf = faiss.try_extract_index_ivf(inner)
     if ivf is not None:
         ivf.cp.seed = config.seed
         pq = getattr(inner, "pq", None)
         if pq is not None:
             pq.cp.seed = config.seed
+            # The factory's IVF-PQ also trains polysemous codes (for Hamming pre-filtering,
+            # which L0 does not use): 5-20x the training time for nothing here.
+            inner.do_polysemous_training = False
         index, sub = inner, inner
     else:
         # Flat / HNSW have no add_with_ids; IndexIDMap2 maps FAISS's row numbers to ids.

@@ -40,6 +40,7 @@ from cascade.budget import DecisionKind, RequestBudget, Stage, StageDecision, St
 from cascade.export_view import ExportView, open_export_view
 from cascade.index import IndexConfig, IndexHolder, RetrievalIndex, build_index
 from cascade.report import DegradedReason, StageReport, summarize
+from cascade.serving_log import ServingLog
 from cascade.sources import PopularByCategory, merge_candidates, recent_categories
 from recserve.client import RankingClient
 from recserve.config.spec import CascadeConfig, ClusterConfig
@@ -96,7 +97,7 @@ class CascadeCore:
     """Runs Recommend requests (see the module docstring)."""
 
     def __init__(self, config: CascadeConfig, view: ExportView, index: IndexHolder, client: RankingClient, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+                 clock: Callable[[], float] = time.monotonic, serving_log: ServingLog | None = None) -> None:  # fmt: skip
         self.config = config
         self.view = view
         self.index = index
@@ -108,10 +109,14 @@ class CascadeCore:
         self.prior = (POPULARITY_PRIOR * imp / max(float(imp.max()), 1e-6)).astype(np.float32)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="cascade-l0")
         self.requests = 0
+        # The impression log (cascade/serving_log.py): injected, or cascade.log_path (None when "").
+        self.serving_log = serving_log if serving_log is not None else ServingLog.from_config(config)
 
     async def aclose(self) -> None:
         await self.client.aclose()
         self._executor.shutdown(wait=True)
+        if self.serving_log is not None:  # writes what is still queued
+            await asyncio.to_thread(self.serving_log.close)
 
     @property
     def index_version(self) -> str:
@@ -136,7 +141,9 @@ class CascadeCore:
                 raise InvalidArgument(f"{field}[{i}] = {int(ids[i])} is out of range: item ids are 0..{n - 1:,}")
         return RecommendQuery(user_id, k, exclude, recent, deadline, tenant, priority, request_id)
 
-    async def recommend(self, q: RecommendQuery) -> Recommendation:
+    async def recommend(self, q: RecommendQuery, *, trace: dict[Stage, np.ndarray] | None = None) -> Recommendation:
+        """Run ``q`` through L0-L3. ``trace`` (benchmarks: ``recserve bench recall``), when
+        given, receives each stage's output ids in order (int64 ``[n_stage]``)."""
         budget = self.planner.open(q.deadline, self.clock())  # DEADLINE_EXCEEDED before any stage
         sizes = stage_sizes_for(self.config, self.view.num_items, q.k)
         history = self.view.history(q.user_id)
@@ -144,15 +151,27 @@ class CascadeCore:
         cold = q.user_id >= self.view.num_users
         reports: list[StageReport] = []
         order, user_vector, index_version, cold = await self._l0(q, budget, sizes.l0, history, seen, cold, reports)
+        if trace is not None:
+            trace[Stage.L0] = order.ids
         order = self._l1(budget, order, user_vector, cold, sizes.l1, reports)
+        if trace is not None:
+            trace[Stage.L1] = order.ids
         order = await self._rank_stage(Stage.L2, "dlrm", q, budget, order, sizes.l2, reports)
+        if trace is not None:
+            trace[Stage.L2] = order.ids
         order = await self._rank_stage(Stage.L3, "l3", q, budget, order, sizes.l3, reports)
+        if trace is not None:
+            trace[Stage.L3] = order.ids[: sizes.l3]
         summary = summarize(reports, cold_start=cold)
         self.requests += 1
-        return Recommendation(
+        rec = Recommendation(
             item_ids=order.ids[: sizes.l3], scores=order.scores[: sizes.l3].astype(np.float32), reports=reports, coverage=summary.coverage,
             degraded=summary.degraded, degraded_reason=summary.degraded_reason.value, index_version=index_version, model_version=self.view.model_version,
         )  # fmt: skip
+        # ---- serving log (cascade/serving_log.py): encode + enqueue, the file is written off the loop
+        if self.serving_log is not None:
+            self.serving_log.append(q.request_id, q.user_id, rec)
+        return rec
 
     # ---- stages ----------------------------------------------------------------------
 

@@ -19,7 +19,8 @@ import torch
 from ranker.config import TrainConfig
 from ranker.evaluate import evaluate
 from ranker.export import export_models
-from ranker.scrubbed import open_scrubbed
+from recserve.catalog.storage import ClickLog
+from ranker.scrubbed import open_scrubbed, with_impressions
 from ranker.spec import cluster_spec_toml
 from ranker.train import train_all
 
@@ -36,13 +37,22 @@ class TrainReport:
     seconds: dict[str, float]
     device: str
     out: Path
+    extra_rows: int = 0  # impressions appended to the train split (a serving log)
+    extra_dropped: int = 0  # of those, rows outside the tables (new users / items)
 
 
-def train_and_export(catalog_dir: Path | str, out: Path | str, config: TrainConfig = TrainConfig(), *, num_shards: int = 2) -> TrainReport:
+def train_and_export(catalog_dir: Path | str, out: Path | str, config: TrainConfig = TrainConfig(), *, num_shards: int = 2,
+                     extra_impressions: ClickLog | None = None) -> TrainReport:  # fmt: skip
     """Train all three models on the scrubbed view of ``catalog_dir``, evaluate them
-    against its ground truth, export to ``out``."""
+    against its ground truth, export to ``out``. ``extra_impressions`` (a serving log read
+    back, labels from its click records) are appended to the train split."""
     out = Path(out)
     view = open_scrubbed(catalog_dir)  # the only thing training gets
+    extra_rows = extra_dropped = 0
+    if extra_impressions is not None:
+        view, extra_dropped = with_impressions(view, extra_impressions)
+        extra_rows = len(extra_impressions) - extra_dropped
+        log.info("train split: %d catalog rows + %d logged impressions (%d outside the tables dropped)", len(view.train) - extra_rows, extra_rows, extra_dropped)
     torch.manual_seed(config.seed)
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -57,4 +67,4 @@ def train_and_export(catalog_dir: Path | str, out: Path | str, config: TrainConf
     (out / "metrics.json").write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
     (out / "cluster.toml").write_text(cluster_spec_toml(manifest, out, num_shards=num_shards))
     log.info("trained model_version %s in %.1f s: %s", manifest["model_version"], seconds["train_total"], metrics)
-    return TrainReport(metrics=metrics, manifest=manifest, seconds=seconds, device=str(models.device), out=out)
+    return TrainReport(metrics=metrics, manifest=manifest, seconds=seconds, device=str(models.device), out=out, extra_rows=extra_rows, extra_dropped=extra_dropped)

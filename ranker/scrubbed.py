@@ -102,6 +102,22 @@ def open_scrubbed(path: Path | str) -> ScrubbedCatalog:
     )
 
 
+def with_impressions(view: ScrubbedCatalog, extra: ClickLog) -> tuple[ScrubbedCatalog, int]:
+    """``view`` with ``extra`` impressions (``[n]`` int64 user, int64 item, uint8 label:
+    e.g. a serving log read back by ``cascade.serving_log``) appended to its train split,
+    after the catalog's rows since they happened later; and how many rows were dropped
+    because their user or item is outside the tables (a new user, an item added after the
+    catalog), which the models have no row for. Counts and features then see them like
+    any other training impression."""
+    keep = (extra.user >= 0) & (extra.user < view.num_users) & (extra.item >= 0) & (extra.item < view.num_items)
+    train = ClickLog(
+        np.concatenate((np.asarray(view.train.user, dtype=np.int64), np.asarray(extra.user, dtype=np.int64)[keep])),
+        np.concatenate((np.asarray(view.train.item, dtype=np.int64), np.asarray(extra.item, dtype=np.int64)[keep])),
+        np.concatenate((np.asarray(view.train.label, dtype=np.uint8), np.asarray(extra.label, dtype=np.uint8)[keep])),
+    )
+    return dataclasses.replace(view, train=train), int(keep.shape[0] - int(keep.sum()))
+
+
 def open_held_out(path: Path | str) -> ClickLog:
     """The held-out (test) split of the catalog at ``path``: evaluation only."""
     directory = Path(path)

@@ -209,8 +209,9 @@ def build_world(args: argparse.Namespace, root: Path) -> World:
     _log(f"catalog {args.items:,} items x {args.users:,} users, models trained and exported in {time.perf_counter() - t0:.1f} s (model_version {manifest['model_version']})")
     tables, _ = tables_and_features(manifest)
     dlrm_tables = [t for t in tables if t.name.startswith("dlrm_")]  # the benchmark serves DLRM only
-    counts = np.asarray(view.train.item, dtype=np.int64)
-    freq = {"dlrm_item": np.bincount(counts, minlength=args.items).astype(np.float64) + 1.0}
+    # The item table's access frequency: its training-log impressions (what a real system knows).
+    shown = np.asarray(view.train.item, dtype=np.int64)
+    freq = {"dlrm_item": np.bincount(shown, minlength=args.items).astype(np.float64) + 1.0}
     sharding = ShardingConfig(num_shards=args.shards, hot_fraction=0.01, warm_fraction=0.1, hot_replicas=min(2, args.shards))
     plan_tables(dlrm_tables, freq, sharding, seed=args.seed).plan.save(root / "plan.json")
     base = cluster_spec_toml(manifest, root / "models", num_shards=args.shards)
@@ -361,6 +362,8 @@ async def saturate(send: Send, addresses: Sequence[str], args: argparse.Namespac
     """Closed loop at ``--saturation-concurrency`` for ``--saturation-seconds``: the
     throughput ceiling whatever the latency (how far batching lifts capacity, beside
     how far it lifts the SLO knee)."""
+    from recserve.errors import RecserveError, Unavailable
+
     before = await quiet_status(addresses)
     stop = time.monotonic() + args.saturation_seconds
     latencies: list[float] = []
@@ -374,8 +377,10 @@ async def saturate(send: Send, addresses: Sequence[str], args: argparse.Namespac
             try:
                 await send(i, t + 10.0)
                 latencies.append(time.monotonic() - t)
-            except Exception:  # counted, not fatal: the ceiling is what was answered
+            except RecserveError as exc:  # counted, not fatal: the ceiling is what was answered
                 failures += 1
+                if isinstance(exc, Unavailable):  # every breaker open: back off as told, do not spin
+                    await asyncio.sleep(exc.retry_after_s or 0.1)
             i += args.saturation_concurrency
 
     t0 = time.monotonic()
@@ -389,6 +394,28 @@ async def saturate(send: Send, addresses: Sequence[str], args: argparse.Namespac
     _log(f"saturation: {out['requests_per_s']:,.1f} requests/s at {args.saturation_concurrency} in flight, "
          f"{out['mean_batch_requests'] or 0:.1f} requests/forward, dedup {out['dedup_ratio'] or 0:.2f}")
     return out
+
+
+async def warm(send: Send, count: int, rankers: int) -> None:
+    """``count`` closed-loop requests, 2 in flight per ranker (connect the channels, run
+    the first forwards). A refusal (a breaker still half-open, a ranker still loading)
+    waits its ``retry_after_s``; only a warm-up where every request failed raises."""
+    from recserve.errors import RecserveError, Unavailable
+
+    failed: list[str] = []
+
+    async def one(first: int) -> None:
+        for i in range(first, count, 2 * rankers):
+            try:
+                await send(i, time.monotonic() + 30.0)
+            except RecserveError as exc:
+                failed.append(exc.message)
+                if isinstance(exc, Unavailable):
+                    await asyncio.sleep(exc.retry_after_s or 0.1)  # the server's own back-off hint
+
+    await asyncio.gather(*(one(k) for k in range(min(count, 2 * rankers))))
+    if count and len(failed) >= count:
+        raise Unavailable(f"bench rank: all {count} warm-up requests failed; the last: {failed[-1]}", retry_after_s=1.0)
 
 
 async def knee_of(name: str, addresses: Sequence[str], world: World, args: argparse.Namespace, routing: Any,
@@ -408,54 +435,58 @@ async def knee_of(name: str, addresses: Sequence[str], world: World, args: argpa
     users, cands = world.users, world.candidates
     pool = users.shape[0]
     extras: list[dict[str, Any]] = []
-    async with RankingClient(addresses, routing, rng=np.random.default_rng(args.seed)) as client:
+    rng = np.random.default_rng(args.seed)
+    dirty = False  # the last probe did not pass: the rankers carry its overload
+    restarts = 0
 
-        async def send(i: int, deadline: float) -> bool:
-            k = i % pool
-            return (await client.rank(int(users[k]), cands[k], model="dlrm", deadline=deadline)).degraded
+    async def session(warmup: int, body: Callable[[Send], Awaitable[Any]]) -> Any:
+        """``body(send)`` on a fresh client (no breaker, budget or in-flight state left
+        by the last probe's overload), after ``warmup`` closed-loop requests."""
+        async with RankingClient(addresses, routing, rng=rng) as client:
 
-        async def warm(count: int) -> None:  # closed loop, 2 in flight per ranker
-            async def one(first: int) -> None:
-                for i in range(first, count, 2 * len(addresses)):
-                    await send(i, time.monotonic() + 30.0)
+            async def send(i: int, deadline: float) -> bool:
+                k = i % pool
+                return (await client.rank(int(users[k]), cands[k], model="dlrm", deadline=deadline)).degraded
 
-            await asyncio.gather(*(one(k) for k in range(2 * len(addresses))))
+            await warm(send, warmup, len(addresses))
+            return await body(send)
 
-        await warm(args.warmup_requests)
-        dirty = False  # the last probe did not pass: the rankers carry its overload
-        restarts = 0
+    async def fresh() -> bool:
+        nonlocal dirty, restarts
+        if not dirty or restart is None:
+            return False
+        await asyncio.to_thread(restart)  # blocks until SERVING: off the loop
+        dirty, restarts = False, restarts + 1
+        return True
 
-        async def fresh() -> bool:
-            nonlocal dirty, restarts
-            if not dirty or restart is None:
-                return False
-            await asyncio.to_thread(restart)  # blocks until SERVING: off the loop
-            await warm(min(args.warmup_requests, 16 * len(addresses)))  # the shards are warm; the new process is not
-            dirty, restarts = False, restarts + 1
-            return True
+    async def run(rate: float) -> ProbeResult:
+        nonlocal dirty
+        restarted = await fresh()
+        # A restarted ranker is cold (first forwards, lookup client); the shards are warm.
+        warmup = min(args.warmup_requests, 16 * len(addresses)) if restarted else 2 * len(addresses)
+        before = await quiet_status(addresses)  # the last probe's backlog has drained
+        seconds = min(max(args.probe_seconds, args.min_probe_requests / rate), max(args.probe_seconds, args.max_probe_seconds))
+        result, figures = await session(warmup, lambda send: probe(rate, send, seconds=seconds, max_requests=args.max_probe_requests, slo_s=args.slo_ms / 1e3,
+                                                                   timeout_s=args.timeout_ms / 1e3, seed=args.seed + 1000 + len(extras)))  # fmt: skip
+        after = await model_status(addresses)
+        figures.update(_deltas(before, after))  # the warm-up's few requests included
+        figures["loadavg_1m"] = os.getloadavg()[0]  # other work on the box shows up here
+        figures["after_restart"] = restarted
+        dirty = result.ok_fraction < OK_TARGET
+        extras.append(figures)
+        p99 = "n/a" if figures["p99_ms"] is None else f"{figures['p99_ms']:.1f}"
+        _log(f"{name}: {rate:,.0f}/s offered -> {result.ok_fraction:.1%} OK, p99 {p99} ms, {figures['mean_batch_requests'] or 0:.1f} requests/forward")
+        return result
 
-        async def run(rate: float) -> ProbeResult:
-            nonlocal dirty
-            restarted = await fresh()
-            before = await quiet_status(addresses)  # the last probe's backlog has drained
-            seconds = min(max(args.probe_seconds, args.min_probe_requests / rate), max(args.probe_seconds, args.max_probe_seconds))
-            result, figures = await probe(rate, send, seconds=seconds, max_requests=args.max_probe_requests, slo_s=args.slo_ms / 1e3,
-                                          timeout_s=args.timeout_ms / 1e3, seed=args.seed + 1000 + len(extras))  # fmt: skip
-            after = await model_status(addresses)
-            figures.update(_deltas(before, after))
-            figures["loadavg_1m"] = os.getloadavg()[0]  # other work on the box shows up here
-            figures["after_restart"] = restarted
-            dirty = result.ok_fraction < OK_TARGET
-            extras.append(figures)
-            p99 = "n/a" if figures["p99_ms"] is None else f"{figures['p99_ms']:.1f}"
-            _log(f"{name}: {rate:,.0f}/s offered -> {result.ok_fraction:.1%} OK, p99 {p99} ms, {figures['mean_batch_requests'] or 0:.1f} requests/forward")
-            return result
+    async def nothing(send: Send) -> None:
+        return None
 
-        found = await find_knee_async(run, lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance)
-        saturation = None
-        if args.saturation_seconds > 0:
-            await fresh()
-            saturation = await saturate(send, addresses, args)
+    await session(args.warmup_requests, nothing)
+    found = await find_knee_async(run, lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance)
+    saturation = None
+    if args.saturation_seconds > 0:
+        await fresh()
+        saturation = await session(2 * len(addresses), lambda send: saturate(send, addresses, args))
     out = found.to_dict()
     out["saturation"] = saturation
     out["restarts"] = restarts

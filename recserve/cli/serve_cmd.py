@@ -36,7 +36,10 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from recserve.cluster.stack import ServingStack
 
 READY_LINE = "recserve: ready"
 
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     previous = {s: signal.signal(s, _raise_signalled) for s in (signal.SIGINT, signal.SIGTERM)}
     temp_data = args.data is None
     data_root = Path(tempfile.mkdtemp(prefix="recserve-serve-")) if temp_data else args.data
-    stack = None
+    stack: ServingStack | None = None
     try:
         stack = _prepare(args, data_root)
         stack.start()
@@ -93,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
 
 
-def _prepare(args: argparse.Namespace, data_root: Path) -> Any:
+def _prepare(args: argparse.Namespace, data_root: Path) -> ServingStack:
     """Resolve (and, once, generate and train) what to serve; plan it; the unstarted stack."""
     import dataclasses
 
@@ -106,6 +109,8 @@ def _prepare(args: argparse.Namespace, data_root: Path) -> Any:
 
     if args.models is not None:
         models = args.models.resolve()
+        if not (models / "manifest.json").is_file():
+            raise ConfigError(f"--models = {str(args.models)!r} is invalid: it holds no export (no manifest.json); pass a `recserve train --out` directory, or omit --models to train one into the cache")
     else:
         from recserve.config import DEFAULT_SPEC
 

@@ -9,7 +9,10 @@ disk and prints greedy samples from the reloaded model.
 trains the ranker models — DLRM, two-tower, L3 (:mod:`ranker.pipeline`) — on the
 catalog's scrubbed view, evaluates them against its ground truth, exports them to
 MODELS with one model_version, writes ``MODELS/metrics.json`` and a cluster spec sized
-to the catalog (``MODELS/cluster.toml``), and prints the metrics table.
+to the catalog (``MODELS/cluster.toml``), and prints the metrics table. With
+``--serving-log PATH`` it first reads the cascade's serving log (``cascade.log_path``
+and its rotated files, :mod:`cascade.serving_log`) and appends its impressions to the
+train split: label 1 where the log holds a click for that request and item, else 0.
 
 Argparse only at import time; torch loads inside :func:`run`.
 """
@@ -31,6 +34,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--lm", action="store_true", help="train the small decode LM on templated catalog text")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: models for the rankers, checkpoints/lm for --lm)")
     p.add_argument("--catalog", type=Path, default=None, help="catalog directory (default: a small one generated in memory)")
+    p.add_argument("--serving-log", type=Path, default=None, metavar="PATH",
+                   help="rankers: append the impressions of this serving log (cascade.log_path, rotated files included) to the train split")
     p.add_argument("--epochs", type=int, default=None, help="rankers: DLRM / L3 passes over the train split (default 1)")
     p.add_argument("--shards", type=int, default=2, help="rankers: num_shards of the written cluster spec (default 2)")
     p.add_argument("--threads", type=int, default=1, help="rankers: torch threads (default 1: two spin against other processes on a busy 2-core box, 7x slower here; 0 = torch's default)")
@@ -60,10 +65,30 @@ def run_rankers(args: argparse.Namespace) -> int:
     if args.epochs is not None:
         config = dataclasses.replace(config, epochs=args.epochs)
     out = args.out if args.out is not None else Path("models")
-    report = train_and_export(args.catalog, out, config, num_shards=args.shards)
+    logged: dict[str, Any] = {}
+    extra = None
+    if args.serving_log is not None:
+        from cascade.serving_log import read_serving_log
+
+        contents = read_serving_log(args.serving_log)
+        extra = contents.impressions
+        logged = {"files": [str(f) for f in contents.files], "requests": len(contents.requests), "impressions": len(extra),
+                  "clicks": int(extra.label.sum()), "unmatched_clicks": contents.unmatched_clicks, "torn_records": contents.torn_records,
+                  "model_versions": contents.model_versions()}  # fmt: skip
+        if not args.json:
+            print(f"serving log {args.serving_log}: {logged['requests']} responses, {logged['impressions']} impressions, {logged['clicks']} clicked "
+                  f"({len(contents.files)} files, {contents.torn_records} torn records skipped)")  # fmt: skip
+    report = train_and_export(args.catalog, out, config, num_shards=args.shards, extra_impressions=extra)
+    if extra is not None:
+        logged.update(appended=report.extra_rows, dropped_outside_tables=report.extra_dropped)
     if args.json:
-        print(json.dumps({"models": str(out), "model_version": report.manifest["model_version"], "device": report.device, **report.metrics, "seconds": report.seconds}, sort_keys=True))
+        body = {"models": str(out), "model_version": report.manifest["model_version"], "device": report.device, **report.metrics, "seconds": report.seconds}
+        if extra is not None:
+            body["serving_log"] = logged
+        print(json.dumps(body, sort_keys=True))
         return 0
+    if extra is not None:
+        print(f"train split: +{report.extra_rows} logged impressions ({report.extra_dropped} dropped: user or item outside the tables)")
     print(f"trained DLRM, two-tower and L3 on {report.device} in {report.seconds['train_total']:.0f} s; model_version {report.manifest['model_version']}")
     print(format_metrics(report.metrics, report.seconds))
     print(f"export: {out}/ (embeddings/, dense/, index/, serving/, metrics.json, cluster.toml)")

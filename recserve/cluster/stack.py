@@ -193,5 +193,5 @@ class ServingStack:
 
     def _report(self, service: str, kind: str, k: int, address: str, pid: int, log_path: Path) -> None:
         endpoint = Endpoint(service=service, kind=kind, index=k, address=address, pid=pid, log_path=log_path)
-        log.info("%s", endpoint.line())
+        log.debug("%s", endpoint.line())
         self._on_endpoint(endpoint)

@@ -224,9 +224,10 @@ def test_serve_reports_ready_answers_and_leaves_no_child_on_sigterm(world: Ranke
     if CASCADE:
         (cascade,) = serving.of("Recommender")
         with grpc.insecure_channel(cascade.address) as channel:
-            request = recommender_pb2.RecommendRequest(header=make_header(timeout_s=RPC_TIMEOUT_S), user_id=3, k=5)
-            reply = RecommenderStub(channel).Recommend(request, timeout=RPC_TIMEOUT_S)
-        assert len(unpack(reply.item_ids, "item_ids")) == 5 and reply.model_version == world.export.model_version
+            ask = recommender_pb2.RecommendRequest(header=make_header(timeout_s=RPC_TIMEOUT_S), user_id=3, k=5)
+            answer = RecommenderStub(channel).Recommend(ask, timeout=RPC_TIMEOUT_S)
+        got = unpack(answer.item_ids, "item_ids")
+        assert len(set(got.tolist())) == 5 and answer.model_version == world.export.model_version  # k distinct items, through the rankers
 
     members = _group_members(serving.proc.pid) - {serving.proc.pid}
     fds = _pidfds(members)  # taken while alive: immune to pid reuse
@@ -262,3 +263,4 @@ def test_children_exit_when_serve_is_sigkilled(serving: Serve) -> None:
     finally:
         for fd in fds.values():
             os.close(fd)
+

@@ -12,7 +12,7 @@ from recserve.cluster.rankers import RankerCluster
 from recserve.cluster.shards import ShardCluster
 from recserve.cluster.stack import ServingStack
 from recserve.config import default_config, loads
-from recserve.config.spec import TopologyConfig
+from recserve.config.spec import TableConfig, TopologyConfig
 from recserve.errors import ConfigError
 from tests.unit.test_cluster_group import FakeWorld
 
@@ -115,3 +115,16 @@ def test_the_cascade_needs_ranker_addresses(tmp_path: Path, bad: list[str]) -> N
 def test_shard_cluster_defaults_to_loopback(tmp_path: Path) -> None:
     argv = ShardCluster(tmp_path / "plan.json", tmp_path, num_shards=1)._command(0, 0, tmp_path / "p")
     assert argv[argv.index("--host") + 1] == "127.0.0.1"
+
+
+def test_serve_refuses_a_spec_whose_tables_are_not_the_exports(tmp_path: Path) -> None:
+    from recserve.cli.serve_cmd import _check_tables
+
+    cfg = loads(BASE)
+    _check_tables(cfg, [TableConfig("item", rows=1000, dim=16)], tmp_path / "spec.toml", tmp_path / "models")  # the same: fine
+    for export, shown in [([TableConfig("item", rows=1200, dim=16)], "but 1,200 x 16"), ([TableConfig("item", rows=1000, dim=8)], "but 1,000 x 8"), ([], "but absent")]:
+        with pytest.raises(ConfigError) as info:
+            _check_tables(cfg, export, tmp_path / "spec.toml", tmp_path / "models")
+        assert info.value.message.startswith(f"table 'item' is 1,000 x 16 in {tmp_path / 'spec.toml'} {shown} in the export {tmp_path / 'models'}"), info.value.message
+    with pytest.raises(ConfigError, match="table 'extra' is absent in"):
+        _check_tables(cfg, [TableConfig("item", rows=1000, dim=16), TableConfig("extra", rows=5, dim=4)], tmp_path / "spec.toml", tmp_path / "models")

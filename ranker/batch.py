@@ -153,6 +153,8 @@ def pooled_features(lay: BatchLayout, features: tuple[SparseFeature, ...], names
     values: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     for f in features:  # per feature (a handful), never per id
+        if f.source is Source.CATEGORY_CROSS:
+            raise ValueError(f"feature {f.name!r} is a crossed feature: look it up with cross_bags (one bag per request), not per pair")
         if f.source in USER_SIDE:
             v, n_r = user_bags(lay, f)
             n = np.zeros(p, dtype=np.int64)
@@ -184,6 +186,53 @@ def expand_rows(lengths: np.ndarray, pair_request: np.ndarray) -> np.ndarray:
     per_pair = np.take(lengths, pair_request)
     s = np.take(starts, pair_request)
     return np.repeat(s - (np.cumsum(per_pair) - per_pair), per_pair) + np.arange(int(per_pair.sum()), dtype=np.int64)
+
+
+@dataclasses.dataclass(frozen=True)
+class CrossBags:
+    """A crossed-category feature (``Source.CATEGORY_CROSS``) without repeating each
+    history for each candidate.
+
+    Pair p's bag is ``{c(h) · C + c(p) : h in its user's history}``, a multiset whose mean
+    row is ``Σ_k n_k / H · row[k · C + c(p)]`` over the history's distinct categories k
+    (n_k of the H items). So the lookup fetches, per request r, only its distinct crossed
+    ids (``ids``, ``id_lengths`` [R]: one unpooled bag per request, deduplicated across
+    requests by the lookup client), and the pooling runs here as one weighted
+    ``embedding_bag``: ``index`` [M] (into the concatenated returned rows), ``weights``
+    [M] f32 (n_k / H) and ``bag_lengths`` [P] (distinct history categories per pair).
+    A 500-candidate request with a 50-item history over 10 categories looks up at most
+    10 · (its distinct candidate categories) ids instead of 25,000.
+    """
+
+    ids: np.ndarray
+    id_lengths: np.ndarray
+    index: np.ndarray
+    weights: np.ndarray
+    bag_lengths: np.ndarray
+
+
+def cross_bags(lay: BatchLayout, feature: SparseFeature) -> CrossBags:
+    """:class:`CrossBags` of ``feature`` over the batch's pairs (arrays only)."""
+    r, p = lay.num_requests, lay.num_pairs
+    cat = np.asarray(lay.arrays.item_category)
+    c = lay.arrays.num_categories
+    hist = sparse_features(lay.arrays, (dataclasses.replace(feature, source=Source.HISTORY_CATEGORIES),), np.arange(r, dtype=np.int64), np.zeros(r, dtype=np.int64))
+    hist_len = hist.lengths
+    keys, counts = np.unique(np.repeat(np.arange(r, dtype=np.int64), hist_len) * c + hist.values, return_counts=True)  # (request, category), sorted
+    key_request, key_category = keys // c, keys % c
+    per_request = np.bincount(key_request, minlength=r).astype(np.int64)  # distinct history categories
+    bag_lengths = np.take(per_request, lay.pair_request)
+    entry_pair = np.repeat(np.arange(p, dtype=np.int64), bag_lengths)
+    first_key = np.cumsum(per_request) - per_request
+    entry_key = np.repeat(np.take(first_key, lay.pair_request) - (np.cumsum(bag_lengths) - bag_lengths), bag_lengths) + np.arange(entry_pair.shape[0], dtype=np.int64)
+    crossed = np.take(key_category, entry_key) * c + np.take(cat, np.take(lay.pair_items, entry_pair))
+    weights = (np.take(counts, entry_key) / np.take(hist_len, np.take(lay.pair_request, entry_pair))).astype(np.float32)
+    space = c * c
+    per_request_ids, index = np.unique(np.take(lay.pair_request, entry_pair) * space + crossed, return_inverse=True)  # request-major
+    return CrossBags(
+        ids=(per_request_ids % space).astype(np.int64), id_lengths=np.bincount(per_request_ids // space, minlength=r).astype(np.int64),
+        index=index.astype(np.int64), weights=weights, bag_lengths=bag_lengths,
+    )  # fmt: skip
 
 
 def missing_per_request(lay: BatchLayout, missing_bags: dict[str, np.ndarray], *, per_pair: bool) -> np.ndarray:

@@ -36,11 +36,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ranker import batch as B
 from ranker.batch import Query, QueryKind
-from ranker.features import SparseFeature, dense_features, user_dense_features
+from ranker.features import Source, SparseFeature, dense_features, user_dense_features
 from ranker.models.dlrm import DLRM_FEATURES, DlrmRanker
 from ranker.models.l3 import L3Reranker
 from ranker.models.two_tower import USER_TOWER_FEATURES, TwoTower
@@ -78,6 +79,16 @@ class Answer:
     @property
     def degraded(self) -> bool:
         return bool(self.degraded_reasons)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lookups:
+    """One batch's lookup results: pooled features, L3's unpooled history rows, and per
+    crossed feature its rows with the :class:`~ranker.batch.CrossBags` to pool them."""
+
+    pooled: LookupResult
+    rows: LookupResult | None
+    crossed: dict[str, tuple[LookupResult, B.CrossBags]]
 
 
 def model_features(model: Model) -> tuple[tuple[SparseFeature, ...], tuple[SparseFeature, ...]]:
@@ -240,41 +251,49 @@ class RankingCore:
             lay = B.layout(ms.export.arrays, queries)
             deadline = min(h.deadline for h in batch.handles)
             model = ms.models[queries[0].model]
-            results = await self._lookup(ms, model, lay, deadline)
+            looked = await self._lookup(ms, model, lay, deadline)
             loop = asyncio.get_running_loop()
-            answers = await loop.run_in_executor(self._executor, self._forward, ms, model, queries, lay, results)
+            answers = await loop.run_in_executor(self._executor, self._forward, ms, model, queries, lay, looked)
             self.forwards += 1
             self.requests += len(answers)
             return [Done(a) for a in answers]
         finally:
             ms.unpin()
 
-    async def _lookup(self, ms: ModelSet, model: Model, lay: B.BatchLayout, deadline: float) -> list[LookupResult]:
+    async def _lookup(self, ms: ModelSet, model: Model, lay: B.BatchLayout, deadline: float) -> _Lookups:
+        """The batch's lookups, all awaited together so they share one window: the pooled
+        features, L3's unpooled history rows, and the crossed features' per-request ids."""
         pooled, unpooled = model_features(model)
         names = ms.feature_names
-        calls = []
+        crossed = tuple(f for f in pooled if f.source is Source.CATEGORY_CROSS)
+        pooled = tuple(f for f in pooled if f.source is not Source.CATEGORY_CROSS)
         if isinstance(model, TwoTower):
             keys, values, lengths = B.request_features(lay, pooled, names)
         else:
             keys, values, lengths = B.pooled_features(lay, pooled, names)
-        calls.append(ms.client.lookup(_kjt(keys, values, lengths), pooled=True, deadline=deadline))
+        calls = [ms.client.lookup(_kjt(keys, values, lengths), pooled=True, deadline=deadline)]
         if unpooled:
             keys, values, lengths = B.request_features(lay, unpooled, names)
             calls.append(ms.client.lookup(_kjt(keys, values, lengths), pooled=False, deadline=deadline))
-        return list(await asyncio.gather(*calls))
+        bags = {f.name: B.cross_bags(lay, f) for f in crossed}
+        for f in crossed:
+            calls.append(ms.client.lookup(_kjt([names[f.name]], bags[f.name].ids, bags[f.name].id_lengths), pooled=False, deadline=deadline))
+        results = list(await asyncio.gather(*calls))
+        n = 1 + int(bool(unpooled))
+        return _Lookups(pooled=results[0], rows=results[1] if unpooled else None, crossed={f.name: (results[n + i], bags[f.name]) for i, f in enumerate(crossed)})
 
     @torch.no_grad()
-    def _forward(self, ms: ModelSet, model: Model, queries: list[Query], lay: B.BatchLayout, results: list[LookupResult]) -> list[Answer]:
+    def _forward(self, ms: ModelSet, model: Model, queries: list[Query], lay: B.BatchLayout, looked: _Lookups) -> list[Answer]:
         """Score the batch (executor thread). Returns one Answer per query."""
         dev = self.device
         inv = ms.inverse_names
-        assert results[0].pooled is not None
-        pooled = {inv[k]: v.to(dev) for k, v in results[0].pooled.to_dict().items()}
+        assert looked.pooled.pooled is not None
+        pooled = {inv[k]: v.to(dev) for k, v in looked.pooled.pooled.to_dict().items()}
         vectors: torch.Tensor | None = None
         if isinstance(model, TwoTower):
             user_dense = torch.from_numpy(user_dense_features(lay.arrays, np.arange(lay.num_requests))).to(dev)
             vectors = model.user_from_pooled(pooled, user_dense)  # [R, d]
-            missing = B.missing_per_request(lay, results[0].missing_bags, per_pair=False)
+            missing = B.missing_per_request(lay, looked.pooled.missing_bags, per_pair=False)
             if lay.num_pairs:
                 assert ms.item_vectors is not None
                 items = torch.from_numpy(np.ascontiguousarray(ms.item_vectors[lay.pair_items])).to(dev)
@@ -288,12 +307,20 @@ class RankingCore:
                 if f.source in B.USER_SIDE:
                     pooled[f.name] = pooled[f.name].index_select(0, rows)
             dense = torch.from_numpy(dense_features(lay.arrays, lay.pair_request, lay.pair_items)).to(dev)
-            missing = B.missing_per_request(lay, results[0].missing_bags, per_pair=True)
+            missing = B.missing_per_request(lay, looked.pooled.missing_bags, per_pair=True)
+            for name, (result, bags) in looked.crossed.items():
+                # The crossed bags' mean rows, pooled here: one weighted embedding_bag (B.CrossBags).
+                rows_c = result.rows[ms.feature_names[name]].to(dev)
+                offsets = torch.from_numpy(np.cumsum(bags.bag_lengths) - bags.bag_lengths).to(dev)
+                pooled[name] = F.embedding_bag(torch.from_numpy(bags.index).to(dev), rows_c, offsets, mode="sum",
+                                               per_sample_weights=torch.from_numpy(bags.weights).to(dev))  # fmt: skip
+                missing += B.missing_per_request(lay, result.missing_bags, per_pair=False)
             if isinstance(model, DlrmRanker):
                 scores = model.score_pooled(dense, pooled)
             else:
                 assert isinstance(model, L3Reranker)
-                flat = results[1]
+                flat = looked.rows
+                assert flat is not None
                 lengths = flat.lengths[names_of(ms, unpooled_f[0])].numpy()
                 idx = torch.from_numpy(B.expand_rows(lengths, lay.pair_request)).to(dev)
                 hist = {f.name: flat.rows[names_of(ms, f)].to(dev).index_select(0, idx) for f in unpooled_f}

@@ -62,9 +62,12 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from recserve.bench.knee import ProbeResult
 
 CONFIGS: dict[str, tuple[bool, int]] = {  # name -> (batching, rankers)
     "batched": (True, 1),
@@ -261,7 +264,7 @@ Send = Callable[[int, float], Awaitable[bool]]
 COUNTERS = ("forwards", "requests", "lookup_windows", "lookup_ids", "lookup_unique_ids")
 
 
-async def probe(rate_per_s: float, send: Send, *, seconds: float, max_requests: int, slo_s: float, timeout_s: float, seed: int) -> tuple[Any, dict[str, Any]]:
+async def probe(rate_per_s: float, send: Send, *, seconds: float, max_requests: int, slo_s: float, timeout_s: float, seed: int) -> tuple[ProbeResult, dict[str, Any]]:
     """One open-loop Poisson probe: (the :class:`~recserve.bench.knee.ProbeResult`, its
     latency figures). Latency runs from the scheduled arrival to the answer; an arrival
     the generator reaches after its deadline is shed, RESOURCE_EXHAUSTED is shed, any
@@ -351,9 +354,10 @@ async def quiet_status(addresses: Sequence[str]) -> list[dict[str, int]]:
 def _deltas(before: list[dict[str, int]], after: list[dict[str, int]]) -> dict[str, Any]:
     """Counter deltas summed over the rankers, with the derived batch and dedup figures."""
     per_ranker = [{k: a[k] - b[k] for k in COUNTERS} for a, b in zip(after, before)]
-    delta: dict[str, Any] = {k: sum(d[k] for d in per_ranker) for k in COUNTERS}
+    # "ranker_requests", not "requests": a probe record also holds ProbeResult.requests (offered).
+    delta: dict[str, Any] = {("ranker_requests" if k == "requests" else k): sum(d[k] for d in per_ranker) for k in COUNTERS}
     delta["requests_by_ranker"] = [d["requests"] for d in per_ranker]
-    delta["mean_batch_requests"] = delta["requests"] / delta["forwards"] if delta["forwards"] else None
+    delta["mean_batch_requests"] = delta["ranker_requests"] / delta["forwards"] if delta["forwards"] else None
     delta["dedup_ratio"] = delta["lookup_ids"] / delta["lookup_unique_ids"] if delta["lookup_unique_ids"] else None
     return delta
 
@@ -429,7 +433,7 @@ async def knee_of(name: str, addresses: Sequence[str], world: World, args: argpa
     to 5% of ``max_batch_candidates``, below one 500-candidate request) and grows it back
     only after p99 stays under half the SLO, so without the restart the probes after
     the search's overloaded ``hi_rps`` probe measure that recovery, not the rate."""
-    from recserve.bench.knee import OK_TARGET, ProbeResult, find_knee_async
+    from recserve.bench.knee import OK_TARGET, find_knee_async
     from recserve.client import RankingClient
 
     users, cands = world.users, world.candidates
@@ -464,12 +468,16 @@ async def knee_of(name: str, addresses: Sequence[str], world: World, args: argpa
         restarted = await fresh()
         # A restarted ranker is cold (first forwards, lookup client); the shards are warm.
         warmup = min(args.warmup_requests, 16 * len(addresses)) if restarted else 2 * len(addresses)
-        before = await quiet_status(addresses)  # the last probe's backlog has drained
         seconds = min(max(args.probe_seconds, args.min_probe_requests / rate), max(args.probe_seconds, args.max_probe_seconds))
-        result, figures = await session(warmup, lambda send: probe(rate, send, seconds=seconds, max_requests=args.max_probe_requests, slo_s=args.slo_ms / 1e3,
-                                                                   timeout_s=args.timeout_ms / 1e3, seed=args.seed + 1000 + len(extras)))  # fmt: skip
-        after = await model_status(addresses)
-        figures.update(_deltas(before, after))  # the warm-up's few requests included
+
+        async def measured(send: Send) -> tuple[ProbeResult, dict[str, Any]]:
+            before = await quiet_status(addresses)  # the warm-up and the last probe's backlog have finished
+            result, figures = await probe(rate, send, seconds=seconds, max_requests=args.max_probe_requests, slo_s=args.slo_ms / 1e3,
+                                          timeout_s=args.timeout_ms / 1e3, seed=args.seed + 1000 + len(extras))  # fmt: skip
+            figures.update(_deltas(before, await model_status(addresses)))
+            return result, figures
+
+        result, figures = await session(warmup, measured)
         figures["loadavg_1m"] = os.getloadavg()[0]  # other work on the box shows up here
         figures["after_restart"] = restarted
         dirty = result.ok_fraction < OK_TARGET

@@ -52,6 +52,12 @@ import numpy as np
 GOAL_RECALL = 0.95
 TOP = 10  # ground truth and final sizes compared
 REFERENCE_POOL = 100  # exhaustive DLRM's top-100 feeds the L3 reference
+# Warm-up calls get at least this deadline. A cold process's first calls (channel connects,
+# the rankers' first forwards) take 10-100x a warm one's; the stage cost models learn
+# from them, and with a tight deadline every stage would then skip (a skip measures
+# nothing) until probe_after_skips. With room to run, the EWMA forgets those first
+# samples within --warmup calls, and the measured calls see a warm server's models.
+WARMUP_DEADLINE_S = 2.0
 
 
 def _speedup_goal(items: int) -> float:
@@ -63,7 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--users", type=int, default=100_000, help="catalog users when generating (default 100000)")
     p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of item popularity when generating (default 1.05)")
     p.add_argument("--queries", type=int, default=200, help="sampled users measured (default 200)")
-    p.add_argument("--warmup", type=int, default=20, help="Recommend calls before timing, on other users (default 20)")
+    p.add_argument("--warmup", type=int, default=50,
+                   help="Recommend calls before measuring, on other users, with a deadline of at least WARMUP_DEADLINE_S: a long-running server's "
+                        "warm stage cost models (default 50)")  # fmt: skip
+    p.add_argument("--torch-threads", type=int, default=1, help="torch threads of the in-process exhaustive DLRM (default 1: two spin against the other processes on a busy 2-core box)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", type=Path, default=None, help="reuse this trained export (default: generate and train into OUT)")
     p.add_argument("--catalog", type=Path, default=None, help="the catalog --models was trained on (default: MODELS/../catalog)")
@@ -157,6 +166,7 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
     from recserve.catalog import load_catalog
     from recserve.sharding import plan_tables
 
+    torch.set_num_threads(max(1, args.torch_threads))
     catalog_dir, models, times = _world(args)
     run_dir = args.out / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -309,8 +319,8 @@ def _served(address: str, warm_users: np.ndarray, users: np.ndarray, deadline_s:
             req = recommender_pb2.RecommendRequest(header=make_header(timeout_s=timeout_s), user_id=user, k=TOP)
             return stub.Recommend(req, timeout=timeout_s)
 
-        for user in warm_users.tolist():  # warm-up: channels, shard caches, cost models; a cold first call may be slow
-            call(int(user), max(deadline_s, 30.0))
+        for user in warm_users.tolist():  # warm-up: channels, shard caches, cost models (see WARMUP_DEADLINE_S)
+            call(int(user), max(deadline_s, WARMUP_DEADLINE_S))
         for i, user in enumerate(users.tolist()):  # sequential and unloaded: one call at a time
             t0 = time.perf_counter()
             try:
@@ -351,9 +361,9 @@ async def _traced(cluster: Any, view: Any, index: Any, rankers: list[str], warm_
     try:
         for i, user in enumerate([*warm_users.tolist(), *users.tolist()]):  # sequential, like the served pass
             trace: dict[Stage, np.ndarray] = {}
-            q = core.query(int(user), TOP, empty, empty, deadline=time.monotonic() + deadline_s)
-            await core.recommend(q, trace=trace)
             j = i - warm_users.size
+            q = core.query(int(user), TOP, empty, empty, deadline=time.monotonic() + (deadline_s if j >= 0 else max(deadline_s, WARMUP_DEADLINE_S)))
+            await core.recommend(q, trace=trace)
             if j >= 0:
                 for s, ids in trace.items():
                     out[s][j, : min(ids.size, out[s].shape[1])] = ids[: out[s].shape[1]]

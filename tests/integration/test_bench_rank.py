@@ -92,7 +92,7 @@ def test_bench_rank_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     args = parser.parse_args(
         ["--items", "3000", "--users", "300", "--impressions", "6000", "--train-rows", "2000", "--candidates", "100", "--request-pool", "64",
          "--probe-seconds", "0.3", "--min-probe-requests", "10", "--max-probe-seconds", "0.5", "--warmup-requests", "8",
-         "--lo-rps", "10", "--hi-rps", "30", "--tolerance", "0.9", "--slo-ms", "500", "--timeout-ms", "1000",
+         "--lo-rps", "8", "--hi-rps", "16", "--tolerance", "0.9", "--slo-ms", "500", "--timeout-ms", "1000",
          "--saturation-seconds", "0.4", "--saturation-concurrency", "8",
          "--cost-sizes", "1,100,400", "--cost-repeats", "2", "--keep-rankers", "--workdir", str(tmp_path / "work"), "--plot", str(plot), "--json"]
     )  # fmt: skip

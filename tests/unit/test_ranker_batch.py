@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ranker.batch import Query, QueryKind, expand_rows, expand_user_side, interleave_jagged, layout, missing_per_request, pooled_features, request_features
-from ranker.features import LogCounts, ServingArrays, dense_features, sparse_features
+from ranker.batch import Query, QueryKind, cross_bags, expand_rows, expand_user_side, interleave_jagged, layout, missing_per_request, pooled_features, request_features
+from ranker.features import LogCounts, ServingArrays, Source, dense_features, sparse_features
 from ranker.models.dlrm import DLRM_FEATURES
 from ranker.models.l3 import l3_features
 from recserve.catalog.storage import Csr
@@ -60,7 +60,8 @@ def test_a_batch_computes_what_each_request_alone_computes() -> None:
 def test_user_side_bags_sit_at_each_requests_first_pair_and_expand_back() -> None:
     a = arrays()
     lay = layout(a, [q(0, [4, 9, 11]), q(5, [1, 2]), q(9, [3], cold=True)])
-    keys, values, lengths = pooled_features(lay, DLRM_FEATURES, {f.name: f.name for f in DLRM_FEATURES})
+    plain = tuple(f for f in DLRM_FEATURES if f.source is not Source.CATEGORY_CROSS)
+    keys, values, lengths = pooled_features(lay, plain, {f.name: f.name for f in plain})
     p = lay.num_pairs
     by_key = dict(zip(keys, lengths.reshape(len(keys), p)))
     assert by_key["dlrm_user_id"].tolist() == [1, 0, 0, 1, 0, 0]  # the cold user has no id row
@@ -88,3 +89,30 @@ def test_missing_bags_are_summed_per_request() -> None:
     per_pair = {"a": np.array([1, 0, 2, 0, 0, 3]), "b": np.array([0, 0, 0, 4, 0, 0])}
     assert missing_per_request(lay, per_pair, per_pair=True).tolist() == [3, 4, 3]
     assert missing_per_request(lay, {"h": np.array([0, 2, 1])}, per_pair=False).tolist() == [0, 2, 1]
+
+
+def test_crossed_bags_pool_to_the_per_pair_mean_of_the_oracle() -> None:
+    """The crossed feature looked up once per request and pooled with weights equals the
+    plain per-pair bag (every history item crossed with the candidate) mean-pooled."""
+    import torch
+    import torch.nn.functional as F
+
+    a = arrays()
+    queries = [q(0, [4, 9, 11, 4]), q(1, [3]), q(2, [1, 2], hist=[7, 7]), q(9, [5], cold=True), q(4, [6, 8])]
+    lay = layout(a, queries)
+    cross = next(f for f in DLRM_FEATURES if f.source is Source.CATEGORY_CROSS)
+    c = a.num_categories
+    table = torch.from_numpy(np.random.default_rng(5).standard_normal((c * c, 4)).astype(np.float32))
+    oracle = sparse_features(lay.arrays, (cross,), lay.pair_request, lay.pair_items)
+    want = F.embedding_bag(torch.from_numpy(oracle.values), table, torch.from_numpy(np.cumsum(oracle.lengths) - oracle.lengths), mode="mean")
+    bags = cross_bags(lay, cross)
+    assert bags.id_lengths.shape == (5,) and bags.ids.shape[0] < oracle.values.shape[0]  # fewer ids than the per-pair bags
+    starts = np.cumsum(bags.id_lengths) - bags.id_lengths
+    for r in range(5):  # each request's ids are distinct
+        mine = bags.ids[starts[r] : starts[r] + bags.id_lengths[r]]
+        assert np.unique(mine).shape == mine.shape
+    rows = table[torch.from_numpy(bags.ids)]  # what the unpooled lookup returns, in input order
+    got = F.embedding_bag(torch.from_numpy(bags.index), rows, torch.from_numpy(np.cumsum(bags.bag_lengths) - bags.bag_lengths), mode="sum",
+                          per_sample_weights=torch.from_numpy(bags.weights))  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert float(got[lay.first_pair[3]].abs().sum()) == 0.0  # the cold user without history: an empty bag

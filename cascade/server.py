@@ -37,6 +37,7 @@ ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 MAX_MESSAGE_BYTES = 64 << 20
 GRACE_S = 2.0
 RANKER_WAIT_S = 180.0
+FAISS_THREADS = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +110,11 @@ async def _load(config: CascadeProcessConfig) -> CascadeCore:
 
 async def serve(config: CascadeProcessConfig, stop: asyncio.Event | None = None) -> None:
     """Run the cascade until ``stop`` is set or SIGTERM / SIGINT arrives."""
+    import faiss
+
+    # One OpenMP thread: FAISS's pool is process-global, and on a shared 2-core box its
+    # threads spin against the shards and rankers (small builds measured ~5x slower).
+    faiss.omp_set_num_threads(FAISS_THREADS)
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
     slot: Slot[CascadeCore] = Slot("cascade (index and rankers)")
     recommender_pb2_grpc.add_RecommenderServicer_to_server(RecommenderServicer(slot), server)

@@ -197,11 +197,12 @@ class CascadeCore:
             k = min(index.ntotal, n_run + seen.size)  # room for the items removed afterwards
             loop = asyncio.get_running_loop()
             ids, scores, index_version = await loop.run_in_executor(self._executor, lambda: index.search_versioned(vector[None, :], k))
-            merged = merge_candidates(ids[0], scores[0], secondary, q.exclude, seen, limit=n_run)
+            # The popular source keeps its share (a tenth) even when the index alone could fill L0.
+            merged = merge_candidates(ids[0], scores[0], secondary, q.exclude, seen, limit=n_run, secondary_min=secondary.size)
             order = _Order(merged.ids, merged.scores)
         else:  # no user vector (new user without history, or EmbedUser failed): popular items
             merged = merge_candidates(np.zeros(0, np.int64), np.zeros(0, np.float32), secondary, q.exclude, seen, limit=n_run)
-            order = _Order(merged.ids, self.prior[merged.ids])
+            order = _Order(merged.ids, np.take(self.prior, merged.ids))
             index_version = index.index_version
             if reason is DegradedReason.NONE:
                 reason = DegradedReason.COLD_START if cold else DegradedReason.SKIPPED_BUDGET
@@ -224,7 +225,7 @@ class CascadeCore:
             return out
         head, tail = order.ids[: decision.n_run], order.ids[decision.n_run :]
         # One matmul: [n, d] @ [d] exact item-tower scores, plus the popularity prior.
-        scores = np.asarray(self.view.item_vectors[head] @ vector, dtype=np.float32) + self.prior[head]
+        scores = np.asarray(np.take(self.view.item_vectors, head, axis=0) @ vector, dtype=np.float32) + np.take(self.prior, head)
         best = np.argsort(-scores, kind="stable")
         out = _Order(np.concatenate((head[best], tail)), np.concatenate((scores[best], order.scores[decision.n_run :]))).head(n_out)
         reports.append(self.planner.finish(decision, self.clock() - t0, out.ids.shape[0]))

@@ -276,14 +276,16 @@ def _goal(value: float, target: float) -> dict[str, Any]:
 
 
 def _lost_at(wanted: np.ndarray, stages: dict[str, np.ndarray], exact_l0: np.ndarray, *, until: str) -> dict[str, int]:
+    from recserve.bench.recall_oracles import contains
+
     """Count each item of ``wanted`` ``[B, k]`` missing from the ``until`` stage's top-k by
     the first stage whose output lacks it (``kept_but_outranked``: in every stage's output
     up to ``until`` but below its top k)."""
     names = ["L0", "L1", "L2", "L3"][: ["L0", "L1", "L2", "L3"].index(until) + 1]
     k = wanted.shape[1]
-    present = {s: (stages[s][:, :, None] == wanted[:, None, :]).any(axis=1) for s in names}  # [B, k] each
-    in_top = (stages[until][:, :k, None] == wanted[:, None, :]).any(axis=1)
-    in_exact = (exact_l0[:, :, None] == wanted[:, None, :]).any(axis=1)
+    present = {s: contains(stages[s], wanted) for s in names}  # [B, k] each
+    in_top = contains(stages[until][:, :k], wanted)
+    in_exact = contains(exact_l0, wanted)
     out: dict[str, int] = {"missed": int((~in_top).sum()), "of": int(wanted.size)}
     alive = ~in_top
     for s in names:

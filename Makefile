@@ -10,7 +10,7 @@ FBGEMM := $(shell if nvidia-smi -L >/dev/null 2>&1; then echo fbgemm-gpu==1.8.0;
 PACKAGES := recserve embedding_server ranker cascade generation
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test unit integration typecheck protos redis bench-scheduler bench-sharding bench-lookup bench-rank clean
+.PHONY: venv demo test unit integration typecheck protos redis bench-scheduler bench-sharding bench-lookup bench-rank bench-recall clean
 
 venv: $(STAMP)
 
@@ -58,6 +58,11 @@ bench-lookup: $(STAMP) redis
 
 bench-rank: $(STAMP)
 	$(BIN)/recserve bench rank
+
+# 1M items: generating and training take most of it; `make bench-recall RECALL_ITEMS=200000` for a shorter run.
+RECALL_ITEMS ?= 1000000
+bench-recall: $(STAMP)
+	$(BIN)/recserve bench recall --items $(RECALL_ITEMS)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache build *.egg-info

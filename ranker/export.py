@@ -4,6 +4,7 @@ Layout (every ``.npy`` plain, memory-mappable)::
 
     MODELS/manifest.json            format, model_version, catalog sizes, tables, features
     MODELS/embeddings/<table>.npy   [rows, D] f32 shard tables, model-prefixed (dlrm_item…);
+                                    item-keyed ones carry NEW_ITEM_ROWS zero rows past the catalog;
                                     `recserve shard load --source MODELS` reads this folder
     MODELS/embeddings/manifest.json model_version + tables (what each shard records)
     MODELS/dense/<model>.pt         state dict of everything but the shard tables
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ranker.features import DENSE_FEATURES, ServingArrays, SparseFeature
+from ranker.features import DENSE_FEATURES, ServingArrays, Source, SparseFeature
 from ranker.models.dlrm import DLRM_FEATURES, DlrmRanker
 from ranker.models.l3 import L3Reranker
 from ranker.models.two_tower import USER_TOWER_FEATURES, TwoTower
@@ -44,6 +45,10 @@ MANIFEST = "manifest.json"
 MODELS = ("dlrm", "two_tower", "l3")
 # Tables that only the offline item tower reads stay in its dense checkpoint.
 OFFLINE_TABLES = frozenset({"tt_tag"})
+# Rows beyond the catalog in every item-keyed shard table (zeros until Admin.AddItems
+# upserts a new item's rows): items added after training get the next ids without
+# re-planning the shards. ``manifest["new_item_rows"]`` says how many.
+NEW_ITEM_ROWS = 1024
 SERVING_ARRAYS = (
     "item_category",
     "item_tags.values",
@@ -66,12 +71,22 @@ def _modules(models: TrainedModels) -> dict[str, DlrmRanker | TwoTower | L3Reran
     return {"dlrm": models.dlrm, "two_tower": models.two_tower, "l3": models.l3}
 
 
-def _shard_tables(models: TrainedModels) -> dict[str, np.ndarray]:
+def item_tables(models: TrainedModels) -> frozenset[str]:
+    """Shard tables keyed by item id: looked up by a candidate item or a history item
+    (a new item can be either once it is added)."""
+    return frozenset(f.table for f in online_features(models) if f.source in (Source.CANDIDATE_ITEM, Source.HISTORY_ITEMS))
+
+
+def _shard_tables(models: TrainedModels, new_item_rows: int) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
+    items = item_tables(models)
     for module in _modules(models).values():
         for name, w in tables_of(module).items():
             if name not in OFFLINE_TABLES:
-                out[name] = w.detach().float().cpu().numpy()
+                rows = w.detach().float().cpu().numpy()
+                if name in items and new_item_rows:
+                    rows = np.concatenate((rows, np.zeros((new_item_rows, rows.shape[1]), np.float32)))
+                out[name] = rows
     return out
 
 
@@ -122,7 +137,7 @@ def serving_array_dict(arrays: ServingArrays) -> dict[str, np.ndarray]:
     }
 
 
-def export_models(models: TrainedModels, catalog: ScrubbedCatalog, out: Path | str) -> dict[str, Any]:
+def export_models(models: TrainedModels, catalog: ScrubbedCatalog, out: Path | str, *, new_item_rows: int = NEW_ITEM_ROWS) -> dict[str, Any]:
     """Write ``models`` to ``out`` (see the module docstring); returns the manifest.
 
     The top-level manifest is written last: a directory without one is an unfinished
@@ -136,7 +151,7 @@ def export_models(models: TrainedModels, catalog: ScrubbedCatalog, out: Path | s
     for manifest_path in (out / MANIFEST, out / "embeddings" / MANIFEST, out / "index" / MANIFEST):
         manifest_path.unlink(missing_ok=True)
     version = compute_model_version(models)
-    tables = _shard_tables(models)
+    tables = _shard_tables(models, new_item_rows)
     for name, w in tables.items():
         _save(out / "embeddings" / f"{name}.npy", w)
     table_specs = {name: {"file": f"{name}.npy", "rows": int(w.shape[0]), "dim": int(w.shape[1]), "pooling": "mean"} for name, w in sorted(tables.items())}
@@ -160,6 +175,8 @@ def export_models(models: TrainedModels, catalog: ScrubbedCatalog, out: Path | s
         "model_version": version,
         "catalog": {"items": catalog.num_items, "users": catalog.num_users, "categories": catalog.num_categories, "tags": catalog.num_tags, "fingerprint": catalog.fingerprint()},
         "models": list(MODELS),
+        "new_item_rows": new_item_rows,
+        "item_tables": sorted(item_tables(models)),
         "tables": table_specs,
         "features": features,
         "train_seconds": models.seconds,

@@ -113,7 +113,8 @@ def load_model(export: Export, name: str, *, device: str = "auto", with_tables: 
         for table, weight in tables_of(model).items():
             if table in shard:
                 if with_tables:
-                    weight.copy_(torch.from_numpy(np.load(export.path / "embeddings" / f"{table}.npy")))
+                    # Item tables carry the export's new-item rows past the trained ones.
+                    weight.copy_(torch.from_numpy(np.load(export.path / "embeddings" / f"{table}.npy", mmap_mode="r")[: weight.shape[0]]))
                 else:
                     weight.zero_()
     model.eval()

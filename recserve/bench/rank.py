@@ -626,7 +626,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'config':<22}{'knee req/s':>11}  {'status':<18}{'cand/s at knee':>15}{'req/forward':>12}{'dedup':>7}{'p99 ms':>8}",
     ]
     for n, k in r["configs"].items():
-        lines.append(f"{LABELS[n]:<22}{f(k['knee_per_s']):>11}  {k['status']:<18}{f(k['candidates_per_s_at_knee']):>15}"
+        lines.append(f"{LABELS[n]:<22}{f(k['knee_per_s'], ',.1f'):>11}  {k['status']:<18}{f(k['candidates_per_s_at_knee']):>15}"
                      f"{f(k['mean_batch_requests_at_knee'], '.1f'):>12}{f(k['dedup_ratio_at_knee'], '.2f'):>7}{f(k['p99_ms_at_knee'], '.1f'):>8}")
     lines += [
         f"batching gain {f(r['batching_gain'], '.2f')}x (goal >= {GOAL_BATCHING_GAIN:g}x); theoretical cap {f(r['theoretical_batching_cap'], '.2f')}x = {r['theoretical_batching_cap_formula']}",
@@ -639,10 +639,11 @@ def format_report(r: dict[str, Any]) -> str:
         + f"  (CPU: {fc['fixed_ms'] + fc['per_candidate_us'] * 1e-3 * c['candidates']:.2f} ms per {c['candidates']}-candidate request)",
         f"lookup dedup ratio (ids / unique ids) at the knee: batched {f(r['dedup_ratio'], '.2f')}, unbatched {f(r['dedup_ratio_unbatched'], '.2f')}",
         f"note: {r['note']}",
-        f"{'config':<22}{'offered/s':>10}{'achieved/s':>11}{'OK':>8}{'goodput/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'req/fwd':>8}{'dedup':>7}  passed",
+        "probes in search order; rate = the rate the knee search asked for, offered = the realised rate of its Poisson schedule, load = the host's 1-min load average",
+        f"{'config':<22}{'rate/s':>8}{'offered/s':>10}{'achieved/s':>11}{'OK':>8}{'goodput/s':>10}{'p50 ms':>8}{'p99 ms':>8}{'req/fwd':>8}{'dedup':>7}{'load':>6}  passed",
     ]
     for n, k in r["configs"].items():
         for p in k["probes"]:
-            lines.append(f"{LABELS[n]:<22}{f(p['offered_per_s']):>10}{f(p['achieved_per_s']):>11}{p['ok_fraction']:>8.1%}{f(p['goodput_per_s']):>10}"
-                         f"{f(p['p50_ms'], '.1f'):>8}{f(p['p99_ms'], '.1f'):>8}{f(p['mean_batch_requests'], '.1f'):>8}{f(p['dedup_ratio'], '.2f'):>7}  {p['passed']}")
+            lines.append(f"{LABELS[n]:<22}{f(p['rate_per_s'], ',.1f'):>8}{f(p['offered_per_s']):>10}{f(p['achieved_per_s']):>11}{p['ok_fraction']:>8.1%}{f(p['goodput_per_s']):>10}"
+                         f"{f(p['p50_ms'], '.1f'):>8}{f(p['p99_ms'], '.1f'):>8}{f(p['mean_batch_requests'], '.1f'):>8}{f(p['dedup_ratio'], '.2f'):>7}{p['loadavg_1m']:>6.1f}  {p['passed']}")
     return "\n".join(lines)

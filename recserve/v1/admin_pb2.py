@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from recserve.v1 import common_pb2 as recserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17recserve/v1/admin.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"j\n\x13RefreshIndexRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x12\n\nindex_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61\x64min_token\x18\x03 \x01(\t\"g\n\x14RefreshIndexResponse\x12\x15\n\rindex_version\x18\x01 \x01(\t\x12\x18\n\x10previous_version\x18\x02 \x01(\t\x12\r\n\x05items\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\xf2\x01\n\x0f\x41\x64\x64ItemsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12%\n\x08item_ids\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\'\n\ncategories\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12$\n\x07tag_ids\x18\x04 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12(\n\x0btag_lengths\x18\x05 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x13\n\x0b\x61\x64min_token\x18\x06 \x01(\t\"O\n\x10\x41\x64\x64ItemsResponse\x12\x15\n\rindex_version\x18\x01 \x01(\t\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x01(\x03\x12\x15\n\rupserted_rows\x18\x03 \x01(\x03\"\x81\x01\n\x13ReloadModelsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x12\n\nmodels_dir\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x13\n\x0b\x61\x64min_token\x18\x04 \x01(\t\"m\n\x14ReloadModelsResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x18\n\x10previous_version\x18\x02 \x01(\t\x12\x0e\n\x06tables\x18\x03 \x03(\t\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"@\n\x12ModelStatusRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\"\xdc\x01\n\x13ModelStatusResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x12\n\nmodels_dir\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x0e\n\x06tables\x18\x04 \x03(\t\x12\x0f\n\x07reloads\x18\x05 \x01(\x03\x12\x10\n\x08\x66orwards\x18\x06 \x01(\x03\x12\x10\n\x08requests\x18\x07 \x01(\x03\x12\x16\n\x0elookup_windows\x18\x08 \x01(\x03\x12\x12\n\nlookup_ids\x18\t \x01(\x03\x12\x19\n\x11lookup_unique_ids\x18\n \x01(\x03\x32\xcc\x02\n\x05\x41\x64min\x12S\n\x0cReloadModels\x12 .recserve.v1.ReloadModelsRequest\x1a!.recserve.v1.ReloadModelsResponse\x12P\n\x0bModelStatus\x12\x1f.recserve.v1.ModelStatusRequest\x1a .recserve.v1.ModelStatusResponse\x12S\n\x0cRefreshIndex\x12 .recserve.v1.RefreshIndexRequest\x1a!.recserve.v1.RefreshIndexResponse\x12G\n\x08\x41\x64\x64Items\x12\x1c.recserve.v1.AddItemsRequest\x1a\x1d.recserve.v1.AddItemsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17recserve/v1/admin.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"j\n\x13RefreshIndexRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x12\n\nindex_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61\x64min_token\x18\x03 \x01(\t\"g\n\x14RefreshIndexResponse\x12\x15\n\rindex_version\x18\x01 \x01(\t\x12\x18\n\x10previous_version\x18\x02 \x01(\t\x12\r\n\x05items\x18\x03 \x01(\x03\x12\x0f\n\x07seconds\x18\x04 \x01(\x01\"\xf2\x01\n\x0f\x41\x64\x64ItemsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12%\n\x08item_ids\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\'\n\ncategories\x18\x03 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12$\n\x07tag_ids\x18\x04 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12(\n\x0btag_lengths\x18\x05 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x13\n\x0b\x61\x64min_token\x18\x06 \x01(\t\"\x88\x01\n\x10\x41\x64\x64ItemsResponse\x12\x15\n\rindex_version\x18\x01 \x01(\t\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x02 \x01(\x03\x12\x15\n\rupserted_rows\x18\x03 \x01(\x03\x12$\n\x07vectors\x18\x04 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x11\n\tnum_items\x18\x05 \x01(\x03\"\x81\x01\n\x13ReloadModelsRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12\x12\n\nmodels_dir\x18\x02 \x01(\t\x12\x15\n\rmodel_version\x18\x03 \x01(\t\x12\x13\n\x0b\x61\x64min_token\x18\x04 \x01(\t\"m\n\x14ReloadModelsResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x18\n\x10previous_version\x18\x02 \x01(\t\x12\x0e\n\x06tables\x18\x03 \x03(\t\x12\x14\n\x0cload_seconds\x18\x04 \x01(\x01\"@\n\x12ModelStatusRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\"\xdc\x01\n\x13ModelStatusResponse\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\x12\n\nmodels_dir\x18\x02 \x01(\t\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x0e\n\x06tables\x18\x04 \x03(\t\x12\x0f\n\x07reloads\x18\x05 \x01(\x03\x12\x10\n\x08\x66orwards\x18\x06 \x01(\x03\x12\x10\n\x08requests\x18\x07 \x01(\x03\x12\x16\n\x0elookup_windows\x18\x08 \x01(\x03\x12\x12\n\nlookup_ids\x18\t \x01(\x03\x12\x19\n\x11lookup_unique_ids\x18\n \x01(\x03\x32\xcc\x02\n\x05\x41\x64min\x12S\n\x0cReloadModels\x12 .recserve.v1.ReloadModelsRequest\x1a!.recserve.v1.ReloadModelsResponse\x12P\n\x0bModelStatus\x12\x1f.recserve.v1.ModelStatusRequest\x1a .recserve.v1.ModelStatusResponse\x12S\n\x0cRefreshIndex\x12 .recserve.v1.RefreshIndexRequest\x1a!.recserve.v1.RefreshIndexResponse\x12G\n\x08\x41\x64\x64Items\x12\x1c.recserve.v1.AddItemsRequest\x1a\x1d.recserve.v1.AddItemsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,16 +38,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REFRESHINDEXRESPONSE']._serialized_end=277
   _globals['_ADDITEMSREQUEST']._serialized_start=280
   _globals['_ADDITEMSREQUEST']._serialized_end=522
-  _globals['_ADDITEMSRESPONSE']._serialized_start=524
-  _globals['_ADDITEMSRESPONSE']._serialized_end=603
-  _globals['_RELOADMODELSREQUEST']._serialized_start=606
-  _globals['_RELOADMODELSREQUEST']._serialized_end=735
-  _globals['_RELOADMODELSRESPONSE']._serialized_start=737
-  _globals['_RELOADMODELSRESPONSE']._serialized_end=846
-  _globals['_MODELSTATUSREQUEST']._serialized_start=848
-  _globals['_MODELSTATUSREQUEST']._serialized_end=912
-  _globals['_MODELSTATUSRESPONSE']._serialized_start=915
-  _globals['_MODELSTATUSRESPONSE']._serialized_end=1135
-  _globals['_ADMIN']._serialized_start=1138
-  _globals['_ADMIN']._serialized_end=1470
+  _globals['_ADDITEMSRESPONSE']._serialized_start=525
+  _globals['_ADDITEMSRESPONSE']._serialized_end=661
+  _globals['_RELOADMODELSREQUEST']._serialized_start=664
+  _globals['_RELOADMODELSREQUEST']._serialized_end=793
+  _globals['_RELOADMODELSRESPONSE']._serialized_start=795
+  _globals['_RELOADMODELSRESPONSE']._serialized_end=904
+  _globals['_MODELSTATUSREQUEST']._serialized_start=906
+  _globals['_MODELSTATUSREQUEST']._serialized_end=970
+  _globals['_MODELSTATUSRESPONSE']._serialized_start=973
+  _globals['_MODELSTATUSRESPONSE']._serialized_end=1193
+  _globals['_ADMIN']._serialized_start=1196
+  _globals['_ADMIN']._serialized_end=1528
 # @@protoc_insertion_point(module_scope)

@@ -46,14 +46,18 @@ class AddItemsRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., item_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., categories: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tag_ids: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., tag_lengths: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., admin_token: _Optional[str] = ...) -> None: ...
 
 class AddItemsResponse(_message.Message):
-    __slots__ = ("index_version", "added", "upserted_rows")
+    __slots__ = ("index_version", "added", "upserted_rows", "vectors", "num_items")
     INDEX_VERSION_FIELD_NUMBER: _ClassVar[int]
     ADDED_FIELD_NUMBER: _ClassVar[int]
     UPSERTED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ITEMS_FIELD_NUMBER: _ClassVar[int]
     index_version: str
     added: int
     upserted_rows: int
-    def __init__(self, index_version: _Optional[str] = ..., added: _Optional[int] = ..., upserted_rows: _Optional[int] = ...) -> None: ...
+    vectors: _common_pb2.Tensor
+    num_items: int
+    def __init__(self, index_version: _Optional[str] = ..., added: _Optional[int] = ..., upserted_rows: _Optional[int] = ..., vectors: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., num_items: _Optional[int] = ...) -> None: ...
 
 class ReloadModelsRequest(_message.Message):
     __slots__ = ("header", "models_dir", "model_version", "admin_token")

@@ -86,7 +86,9 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AddItems(self, request, context):
-        """Cascade: embed new items with the item tower, add them to the index, upsert their rows.
+        """Cascade: upsert new items' rows into the shards, have every ranker learn them (and
+        embed them with the item tower), add them to the L0 index. On a ranker: learn the
+        items' categories and tags and return their item-tower vectors.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -130,6 +130,8 @@ def test_bench_rank_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     if b is not None:
         per = fc["per_candidate_us"] * 1e-3 * 100
         assert r["theoretical_batching_cap"] == pytest.approx((max(fc["fixed_ms"], 0) + per) / (max(fc["fixed_ms"], 0) / b + per))
+    table = bench.format_report(r)
+    assert all(label in table for label in bench.LABELS.values()) and "batching gain" in table
     assert r["plot"] == str(plot)
     width, height = png_size(plot)
     assert width > 500 and height > 300

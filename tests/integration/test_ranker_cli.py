@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ranker.evaluate import METRIC_KEYS
+from ranker.export import NEW_ITEM_ROWS
 from recserve.config import load
 from tests.utils_catalog import make_catalog
 
@@ -27,7 +28,8 @@ def test_train_writes_metrics_export_and_a_spec_sized_to_the_catalog(tmp_path: P
     assert metrics["ground_truth_auc"] > 0.7
     spec = load(tmp_path / "models" / "cluster.toml")
     rows = {t.name: t.rows for t in spec.tables}
-    assert rows["dlrm_item"] == 5_000 and rows["dlrm_user"] == 400 and rows["dlrm_category"] == 16 and rows["dlrm_tag"] == 64
+    # Item-keyed tables hold the catalog plus the rows reserved for items added later.
+    assert rows["dlrm_item"] == rows["tt_item"] == rows["l3_item"] == 5_000 + NEW_ITEM_ROWS and rows["dlrm_user"] == 400 and rows["dlrm_category"] == 16 and rows["dlrm_tag"] == 64
     assert "item" not in rows and spec.ranker.models_dir == str((tmp_path / "models").resolve())
     assert {f.name for f in spec.features} >= {"dlrm_history_items", "tt_history_items", "l3_history_items"}
     assert (tmp_path / "models" / "embeddings" / "dlrm_item.npy").is_file() and (tmp_path / "models" / "index" / "item_vectors.npy").is_file()

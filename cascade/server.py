@@ -94,6 +94,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             raise
         return admin_pb2.RefreshIndexResponse(index_version=new, previous_version=old, items=core.index_items(), seconds=time.perf_counter() - t0)
 
+    async def AddItems(self, request: admin_pb2.AddItemsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.AddItemsResponse:
+        try:
+            core = self.slot.get()
+            self._check_token(request.admin_token, "AddItems")
+            ids = ids_from(request.item_ids, "item_ids")
+            version, added, upserted = await core.add_items(
+                ids, ids_from(request.categories, "categories"), ids_from(request.tag_ids, "tag_ids"), ids_from(request.tag_lengths, "tag_lengths"),
+            )  # fmt: skip
+        except RecserveError as exc:
+            await abort_with(context, exc)
+            raise
+        return admin_pb2.AddItemsResponse(index_version=version, added=added, upserted_rows=upserted, num_items=core.view.num_items)
+
     async def ModelStatus(self, request: admin_pb2.ModelStatusRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ModelStatusResponse:
         try:
             core = self.slot.get()
@@ -105,7 +118,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
 async def _load(config: CascadeProcessConfig) -> CascadeCore:
     await wait_until_serving(config.ranker_addresses, service="recserve.v1.Ranking", what="ranker", timeout_s=RANKER_WAIT_S)
-    return await open_cascade(config.cluster, config.models_dir, config.ranker_addresses, index_dir=config.index_dir)
+    return await open_cascade(config.cluster, config.models_dir, config.ranker_addresses, shard_addresses=config.shard_addresses,
+                              admin_token=config.admin_token, index_dir=config.index_dir)
 
 
 async def serve(config: CascadeProcessConfig, stop: asyncio.Event | None = None) -> None:

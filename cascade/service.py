@@ -44,7 +44,7 @@ from cascade.serving_log import ServingLog
 from cascade.sources import PopularByCategory, merge_candidates, recent_categories
 from recserve.client import RankingClient
 from recserve.config.spec import CascadeConfig, ClusterConfig
-from recserve.errors import DeadlineExceeded, InvalidArgument, RecserveError, ResourceExhausted, Unavailable
+from recserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, RecserveError, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class CascadeCore:
     """Runs Recommend requests (see the module docstring)."""
 
     def __init__(self, config: CascadeConfig, view: ExportView, index: IndexHolder, client: RankingClient, *,
-                 clock: Callable[[], float] = time.monotonic, serving_log: ServingLog | None = None) -> None:  # fmt: skip
+                 shard_addresses: Sequence[str] = (), admin_token: str = "", clock: Callable[[], float] = time.monotonic, serving_log: ServingLog | None = None) -> None:  # fmt: skip
         self.config = config
         self.view = view
         self.index = index
@@ -108,6 +108,11 @@ class CascadeCore:
         imp = np.log1p(np.asarray(view.item_impressions, dtype=np.float32))
         self.prior = (POPULARITY_PRIOR * imp / max(float(imp.max()), 1e-6)).astype(np.float32)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="cascade-l0")
+        self.shard_addresses = tuple(shard_addresses)
+        self.admin_token = admin_token
+        self.num_categories = int(view.manifest["catalog"]["categories"]) if view.manifest else int(np.asarray(view.item_category).max()) + 1
+        self._means: dict[str, np.ndarray] = {}
+        self._adding = asyncio.Lock()
         self.requests = 0
         # The impression log (cascade/serving_log.py): injected, or cascade.log_path (None when "").
         self.serving_log = serving_log if serving_log is not None else ServingLog.from_config(config)
@@ -261,6 +266,94 @@ class CascadeCore:
 
     # ---- admin -----------------------------------------------------------------------
 
+    async def add_items(self, ids: np.ndarray, categories: np.ndarray, tag_ids: np.ndarray, tag_lengths: np.ndarray) -> tuple[str, int, int]:
+        """New items, retrievable at once without a rebuild (returns index version, items
+        added, shard rows written):
+
+        1. their rows in every item-keyed shard table (the export reserved
+           ``new_item_rows`` past the catalog): the mean row of their category's items, a
+           neutral start that puts a new item among its category's typical items;
+        2. every ranker learns their categories and tags (``Admin.AddItems``), and one
+           returns their item-tower vectors, computed on those rows;
+        3. the vectors join the L0 index and L1's arrays.
+
+        Ids must be the next ones (the rankers check it, and a retry after a partial
+        failure repeats steps 1-2 idempotently)."""
+        async with self._adding:
+            view = self.view
+            n0, n = view.num_items, int(ids.shape[0])
+            if n == 0 or not np.array_equal(ids, np.arange(n0, n0 + n)):
+                raise InvalidArgument(f"item_ids = {ids[:4].tolist()}... are not the next ids: new items take {n0}..{n0 + n - 1} in order")
+            if categories.shape != (n,) or int(categories.min()) < 0 or int(categories.max()) >= self.num_categories:
+                raise InvalidArgument(f"categories: give one category in 0..{self.num_categories - 1} per item ({n})")
+            upserted = await self._upsert_category_means(ids, categories)
+            vectors = await self._rankers_add_items(ids, categories, tag_ids, tag_lengths)
+            index = self.index.current
+            version = await asyncio.get_running_loop().run_in_executor(self._executor, index.add, ids, vectors)
+            self.view = dataclasses.replace(
+                view, item_vectors=np.concatenate((np.asarray(view.item_vectors), vectors)), item_category=np.concatenate((np.asarray(view.item_category), categories)),
+                item_impressions=np.concatenate((np.asarray(view.item_impressions), np.zeros(n, np.int64))),
+            )  # fmt: skip
+            self.prior = np.concatenate((self.prior, np.zeros(n, np.float32)))
+            log.info("added items %d..%d to index %s", n0, n0 + n - 1, version)
+            return version, n, upserted
+
+    async def _upsert_category_means(self, ids: np.ndarray, categories: np.ndarray) -> int:
+        from recserve.lookup.transport import GrpcShardTransport
+        from recserve.lookup.upsert import send_upsert
+        from recserve.rpc.deadline import make_header
+        from recserve.sharding.plan import ShardingPlan
+
+        if not self.shard_addresses:
+            raise FailedPrecondition("AddItems needs the shards' addresses (--shards) to write the new items' rows")
+        transport = GrpcShardTransport(self.shard_addresses)
+        try:
+            plan = ShardingPlan.from_json((await transport.get_plan(0, 10.0)).plan_json)
+            written = 0
+            for table in self.view.manifest.get("item_tables", []):
+                rows = np.take(await asyncio.to_thread(self._category_means, table), categories, axis=0)
+                acks = await send_upsert(transport, plan, table, ids, rows, header=make_header(timeout_s=30.0), admin_token=self.admin_token, timeout_s=30.0)
+                written += sum(acks.values())
+            return written
+        finally:
+            await transport.close()
+
+    def _category_means(self, table: str) -> np.ndarray:
+        """[C, D] f32: the mean exported row of each category's items (cached)."""
+        if table not in self._means:
+            rows = np.load(self.view.path / "embeddings" / f"{table}.npy", mmap_mode="r")
+            n = int(self.view.manifest["catalog"]["items"])
+            cat = np.asarray(self.view.item_category[:n])
+            sums = np.zeros((self.num_categories, rows.shape[1]), np.float64)
+            np.add.at(sums, cat, np.asarray(rows[:n], dtype=np.float64))
+            counts = np.maximum(np.bincount(cat, minlength=self.num_categories), 1)[:, None]
+            self._means[table] = (sums / counts).astype(np.float32)
+        return self._means[table]
+
+    async def _rankers_add_items(self, ids: np.ndarray, categories: np.ndarray, tag_ids: np.ndarray, tag_lengths: np.ndarray) -> np.ndarray:
+        """Admin.AddItems on every ranker (all must learn the items); their vectors [N, d]."""
+        import grpc
+
+        from recserve.rpc.deadline import make_header
+        from recserve.rpc.status import error_from_code
+        from recserve.rpc.tensors import pack, unpack
+        from recserve.v1 import admin_pb2
+        from recserve.v1.admin_pb2_grpc import AdminStub
+
+        request = admin_pb2.AddItemsRequest(header=make_header(timeout_s=30.0), item_ids=pack(ids), categories=pack(categories), tag_ids=pack(tag_ids),
+                                            tag_lengths=pack(tag_lengths), admin_token=self.admin_token)  # fmt: skip
+        vectors: np.ndarray | None = None
+        for address in self.client.addresses:  # a handful of replicas, once per AddItems
+            async with grpc.aio.insecure_channel(address) as channel:
+                try:
+                    reply = await AdminStub(channel).AddItems(request, timeout=30.0)
+                except grpc.aio.AioRpcError as exc:
+                    raise error_from_code(exc.code(), f"ranker {address}: AddItems: {exc.details()}") from None
+            if vectors is None:
+                vectors = np.array(unpack(reply.vectors, "AddItemsResponse.vectors", expect_ndim=2), dtype=np.float32)
+        assert vectors is not None
+        return vectors
+
     async def refresh_index(self, index_path: str) -> tuple[str, str]:
         """Swap in a saved index (``index_path``) or one rebuilt from the export's item
         vectors; returns (new, previous) index versions. Requests already searching
@@ -286,8 +379,8 @@ def index_config(config: CascadeConfig) -> IndexConfig:
     return IndexConfig(factory=config.index_factory, nprobe=config.nprobe or None, ef_search=config.ef_search or None)
 
 
-async def open_cascade(cluster: ClusterConfig, models_dir: str | Path, ranker_addresses: Sequence[str], *,
-                       index_dir: str = "", progress: bool = True) -> CascadeCore:  # fmt: skip
+async def open_cascade(cluster: ClusterConfig, models_dir: str | Path, ranker_addresses: Sequence[str], *, shard_addresses: Sequence[str] = (),
+                       admin_token: str = "", index_dir: str = "", progress: bool = True) -> CascadeCore:  # fmt: skip
     """Open the export, load (``index_dir``) or build the L0 index, connect to the rankers."""
     view = await asyncio.to_thread(open_export_view, models_dir)
     if index_dir:
@@ -296,4 +389,4 @@ async def open_cascade(cluster: ClusterConfig, models_dir: str | Path, ranker_ad
         index = await asyncio.to_thread(build_index, np.asarray(view.item_vectors), None, index_config(cluster.cascade), model_version=view.model_version, progress=progress)
     client = RankingClient(ranker_addresses, cluster.routing)
     await client.start()
-    return CascadeCore(cluster.cascade, view, IndexHolder(index), client)
+    return CascadeCore(cluster.cascade, view, IndexHolder(index), client, shard_addresses=shard_addresses, admin_token=admin_token)

@@ -132,6 +132,19 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             raise
         return admin_pb2.ReloadModelsResponse(model_version=new.version, previous_version=old.version, tables=sorted(new.served.values()), load_seconds=time.perf_counter() - t0)
 
+    async def AddItems(self, request: admin_pb2.AddItemsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.AddItemsResponse:
+        try:
+            core = self.slot.get()
+            token = self.process.admin_token
+            if token and not hmac.compare_digest(request.admin_token.encode(), token.encode()):
+                raise PermissionDenied("Admin.AddItems needs the admin token (admin_token)")
+            ids = ids_from(request.item_ids, "item_ids")
+            vectors = await core.add_items(ids, ids_from(request.categories, "categories"), ids_from(request.tag_ids, "tag_ids"), ids_from(request.tag_lengths, "tag_lengths"))
+        except RecserveError as exc:
+            await abort_with(context, exc)
+            raise
+        return admin_pb2.AddItemsResponse(added=int(ids.shape[0]), vectors=pack(vectors), num_items=core.current.export.arrays.num_items)
+
     async def ModelStatus(self, request: admin_pb2.ModelStatusRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ModelStatusResponse:
         try:
             core = self.slot.get()

@@ -41,15 +41,18 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from ranker import batch as B
 from ranker.batch import Query, QueryKind
-from ranker.features import Source, SparseFeature, dense_features, user_dense_features
+from ranker.features import LogCounts, ServingArrays, Source, SparseFeature, dense_features, item_dense_features, user_dense_features
 from ranker.models.dlrm import DLRM_FEATURES, DlrmRanker
+from ranker.models.common import mean_pool
 from ranker.models.l3 import L3Reranker
-from ranker.models.two_tower import USER_TOWER_FEATURES, TwoTower
+from ranker.export import OFFLINE_TABLES
+from ranker.models.two_tower import ITEM_TOWER_FEATURES, USER_TOWER_FEATURES, TwoTower
 from ranker.rollout import feature_renames, served_table_names
 from ranker.scoring import resolve_device
 from ranker.serving import Export, Model, load_model, open_export
 from recserve.config.spec import ClusterConfig, FeatureConfig, RankerConfig, TableConfig
-from recserve.errors import FailedPrecondition, InvalidArgument
+from recserve.catalog.storage import Csr
+from recserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
 from recserve.lookup.client import LookupClient
 from recserve.lookup.config import LookupClientConfig
 from recserve.lookup.types import LookupResult
@@ -145,6 +148,8 @@ async def open_model_set(cluster: ClusterConfig, models_dir: str | Path, shard_a
     for m in models.values():
         pooled, unpooled = model_features(m)
         pooled_all += [f for f in pooled + unpooled if f not in pooled_all]
+    if "two_tower" in models:  # the item tower's remote rows, for items added while serving
+        pooled_all += [f for f in ITEM_TOWER_FEATURES if f.table not in OFFLINE_TABLES]
     base_tables = sorted({f.table for f in pooled_all})
     served = served_table_names(base_tables, export.model_version, reported)
     spec = export.manifest["tables"]
@@ -169,6 +174,7 @@ class RankingCore:
         self.device = resolve_device(config.device)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="ranker-forward")
         self._loops: dict[str, ServingLoop] = {}
+        self._adding = asyncio.Lock()
         self.forwards = 0  # batches run (each one forward)
         self.requests = 0
 
@@ -210,6 +216,41 @@ class RankingCore:
         await old.client.aclose()
         log.info("ranker switched from model_version %s to %s", old.version, new.version)
         return old
+
+    async def add_items(self, ids: np.ndarray, categories: np.ndarray, tag_ids: np.ndarray, tag_lengths: np.ndarray) -> np.ndarray:
+        """Learn new items (the next ids after the known ones, up to the export's reserved
+        ``new_item_rows``): their categories and tags join the serving arrays, and with
+        the two-tower served, their item-tower vectors ``[N, d]`` f32 are returned
+        (computed on their shard rows: upsert those first, as the cascade's AddItems
+        does). Requests validated from now on may name them."""
+        async with self._adding:
+            ms = self.current
+            arrays = ms.export.arrays
+            n0, n = arrays.num_items, int(ids.shape[0])
+            capacity = int(ms.export.manifest["catalog"]["items"]) + int(ms.export.manifest.get("new_item_rows", 0))
+            num_tags = int(ms.export.manifest["catalog"]["tags"])
+            _check_new_items(ids, categories, tag_ids, tag_lengths, n0=n0, capacity=capacity, num_categories=arrays.num_categories, num_tags=num_tags)
+            offsets = np.asarray(arrays.item_tags.offsets)
+            c = arrays.counts
+            grown = ServingArrays(
+                item_category=np.concatenate((np.asarray(arrays.item_category), categories)),
+                item_tags=Csr(np.concatenate((np.asarray(arrays.item_tags.values), tag_ids)), np.concatenate((offsets, offsets[-1] + np.cumsum(tag_lengths)))),
+                user_history=arrays.user_history,
+                counts=LogCounts(item=np.concatenate((np.asarray(c.item), np.zeros((n, 2), np.int64))), user=c.user, category=c.category, total=c.total),
+            )  # fmt: skip
+            vectors = np.zeros((n, 0), np.float32)
+            tt = ms.models.get("two_tower")
+            if isinstance(tt, TwoTower):
+                feats = tuple(f for f in ITEM_TOWER_FEATURES if f.table not in OFFLINE_TABLES)
+                lay = B.layout(grown, [Query(QueryKind.RANK, "two_tower", 0, True, ids, np.zeros(0, np.int64))])
+                keys, values, lengths = B.pooled_features(lay, feats, ms.feature_names)
+                result = await ms.client.lookup(_kjt(keys, values, lengths), pooled=True, timeout_s=self.config.default_timeout_ms / 1e3)
+                loop = asyncio.get_running_loop()
+                vectors = await loop.run_in_executor(self._executor, _item_tower, ms, tt, grown, ids, tag_ids, tag_lengths, result, self.device)
+                ms.item_vectors = np.concatenate((np.asarray(ms.item_vectors), vectors))
+            ms.export = dataclasses.replace(ms.export, arrays=grown)  # one assignment: batches read the arrays once
+            log.info("ranker learned %d new items (%d..%d)", n, n0, n0 + n - 1)
+            return vectors
 
     # ---- requests --------------------------------------------------------------------
 
@@ -327,6 +368,44 @@ class RankingCore:
                 scores = model.score_looked_up(pooled, hist, torch.from_numpy(np.take(lengths, lay.pair_request)).to(dev), dense)
                 missing += B.missing_per_request(lay, flat.missing_bags, per_pair=False)
         return _answers(ms, queries, lay, scores.float().cpu().numpy(), vectors, missing)
+
+
+@torch.no_grad()
+def _item_tower(ms: ModelSet, tt: TwoTower, arrays: ServingArrays, ids: np.ndarray, tag_ids: np.ndarray, tag_lengths: np.ndarray,
+                result: LookupResult, device: torch.device) -> np.ndarray:  # fmt: skip
+    """``[N, d]`` item-tower vectors: remote id / category rows, in-process tag rows."""
+    assert result.pooled is not None
+    pooled = {ms.inverse_names[k]: v.to(device) for k, v in result.pooled.to_dict().items()}
+    pooled["tt_item_tags"] = mean_pool(tt.tables["tt_tag"], torch.from_numpy(tag_ids).to(device), torch.from_numpy(tag_lengths).to(device))
+    dense = torch.from_numpy(item_dense_features(arrays, ids)).to(device)
+    out: np.ndarray = tt.item_from_pooled(pooled, dense).float().cpu().numpy()
+    return out
+
+
+def _check_new_items(ids: np.ndarray, categories: np.ndarray, tag_ids: np.ndarray, tag_lengths: np.ndarray, *, n0: int, capacity: int,
+                     num_categories: int, num_tags: int) -> None:  # fmt: skip
+    """InvalidArgument naming the field unless ``ids`` are the next ids n0.. within the
+    reserved rows, with one category each and ``tag_lengths`` summing to the tags."""
+    n = int(ids.shape[0])
+    if n == 0:
+        raise InvalidArgument("item_ids is empty: give the new items' ids")
+    if not np.array_equal(ids, np.arange(n0, n0 + n)):
+        raise InvalidArgument(f"item_ids = {ids[:4].tolist()}... are not the next ids: new items take {n0}..{n0 + n - 1} in order")
+    if n0 + n > capacity:
+        raise ResourceExhausted(f"item_ids up to {n0 + n - 1} exceed the {capacity:,} item rows the export reserved (new_item_rows): re-train to add more")
+    if categories.shape != (n,) or tag_lengths.shape != (n,):
+        raise InvalidArgument(f"categories has {categories.shape[0]} and tag_lengths {tag_lengths.shape[0]} entries for {n} items: give one each")
+    if int(tag_lengths.sum()) != tag_ids.shape[0] or (tag_lengths < 0).any():
+        raise InvalidArgument(f"tag_lengths sum to {int(tag_lengths.sum())} but tag_ids has {tag_ids.shape[0]} ids")
+    _check_range("categories", categories, num_categories)
+    _check_range("tag_ids", tag_ids, num_tags)
+
+
+def _check_range(field: str, ids: np.ndarray, n: int) -> None:
+    bad = np.flatnonzero((ids < 0) | (ids >= n))
+    if bad.size:
+        i = int(bad[0])
+        raise InvalidArgument(f"{field}[{i}] = {int(ids[i])} is out of range: use 0..{n - 1:,}")
 
 
 def names_of(ms: ModelSet, feature: SparseFeature) -> str:

@@ -70,6 +70,11 @@ class TwoTower(nn.Module):
 
     def item_vectors(self, jagged: Mapping[str, tuple[torch.Tensor, torch.Tensor]], item_dense: torch.Tensor) -> torch.Tensor:
         """``[B, out_dim]`` item vectors from ITEM_TOWER_FEATURES ids and ``item_dense``."""
-        p = self.pool(jagged, ITEM_TOWER_FEATURES)
-        x = torch.cat([p["tt_item_id"], p["tt_item_category"], p["tt_item_tags"], item_dense], dim=1)
+        return self.item_from_pooled(self.pool(jagged, ITEM_TOWER_FEATURES), item_dense)
+
+    def item_from_pooled(self, pooled: Mapping[str, torch.Tensor], item_dense: torch.Tensor) -> torch.Tensor:
+        """``[B, out_dim]`` item vectors from pooled ``[B, E]`` blocks of ITEM_TOWER_FEATURES
+        (remote ``tt_item`` / ``tt_category`` rows, in-process ``tt_tag``) and ``item_dense``
+        [B, ITEM_DENSE]: the serving-side item tower, for items added after the export."""
+        x = torch.cat([pooled["tt_item_id"], pooled["tt_item_category"], pooled["tt_item_tags"], item_dense], dim=1)
         return F.normalize(self.item_mlp(x), dim=-1)

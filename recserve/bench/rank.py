@@ -214,7 +214,8 @@ def build_world(args: argparse.Namespace, root: Path) -> World:
     dlrm_tables = [t for t in tables if t.name.startswith("dlrm_")]  # the benchmark serves DLRM only
     # The item table's access frequency: its training-log impressions (what a real system knows).
     shown = np.asarray(view.train.item, dtype=np.int64)
-    freq = {"dlrm_item": np.bincount(shown, minlength=args.items).astype(np.float64) + 1.0}
+    item_rows = next(t.rows for t in dlrm_tables if t.name == "dlrm_item")  # may exceed --items (rows reserved by the export)
+    freq = {"dlrm_item": np.bincount(shown, minlength=item_rows).astype(np.float64) + 1.0}
     sharding = ShardingConfig(num_shards=args.shards, hot_fraction=0.01, warm_fraction=0.1, hot_replicas=min(2, args.shards))
     plan_tables(dlrm_tables, freq, sharding, seed=args.seed).plan.save(root / "plan.json")
     base = cluster_spec_toml(manifest, root / "models", num_shards=args.shards)
@@ -553,6 +554,19 @@ def _run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     return summarise(args, configs, costs, cap_formula=CAP_FORMULA, cap=batching_cap, seconds=time.perf_counter() - started)
 
 
+def system_cost(unbatched_per_s: float | None, batched_per_s: float | None, batched_mean: float | None) -> dict[str, float] | None:
+    """The whole box's cost per request as ``per_batch / B + per_request`` ms, solved
+    from the two closed-loop ceilings: unbatched ``1 / r_u = F + v`` (B = 1), batched
+    ``1 / r_b = F / B + v``. It prices everything a batch shares (lookup windows and
+    RPCs, Python per batch, the forward's fixed part) against what each request adds,
+    on these cores with these neighbours. None without both runs or with B <= 1."""
+    if not unbatched_per_s or not batched_per_s or not batched_mean or batched_mean <= 1.0:
+        return None
+    t_u, t_b = 1e3 / unbatched_per_s, 1e3 / batched_per_s
+    per_batch = (t_u - t_b) / (1.0 - 1.0 / batched_mean)
+    return {"per_batch_ms": per_batch, "per_request_ms": t_u - per_batch, "mean_batch_requests": batched_mean}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -568,6 +582,7 @@ def summarise(args: argparse.Namespace, configs: dict[str, dict[str, Any]], cost
     theoretical = cap(costs["cpu"], candidates=args.candidates, mean_batch_requests=max(1.0, b_mean)) if b_mean else None
     sat = {n: (c.get("saturation") or {}).get("requests_per_s") for n, c in configs.items()}
     sat_b = (batched.get("saturation") or {}).get("mean_batch_requests")
+    system = system_cost(sat.get("unbatched"), sat.get("batched"), sat_b)
     note = (f"{cpus} CPUs shared by {args.shards} shard processes, the ranker processes and this load generator: "
             f"a second ranker adds a process, not a CPU, so 2-ranker scaling is bounded by the CPU one ranker leaves idle")  # fmt: skip
     if scaling is not None:
@@ -605,6 +620,9 @@ def summarise(args: argparse.Namespace, configs: dict[str, dict[str, Any]], cost
         "saturation_scaling_2_rankers": _ratio(sat.get("batched_2_rankers"), sat.get("batched")),
         "mean_batch_requests_at_saturation": sat_b,
         "theoretical_batching_cap_at_saturation": cap(costs["cpu"], candidates=args.candidates, mean_batch_requests=max(1.0, sat_b)) if sat_b else None,
+        "system_cost": system,
+        "system_batching_cap_at_knee": (None if system is None or not b_mean else
+                                        (system["per_batch_ms"] + system["per_request_ms"]) / (system["per_batch_ms"] / b_mean + system["per_request_ms"])),
         "theoretical_batching_cap_formula": f"forward only: {cap_formula}",
         "goals": {"batching_gain_ge_3": None if gain is None else gain >= GOAL_BATCHING_GAIN,
                   "scaling_2_rankers_ge_1_6": None if scaling is None else scaling >= GOAL_SCALING_2},
@@ -628,6 +646,11 @@ def format_report(r: dict[str, Any]) -> str:
     for n, k in r["configs"].items():
         lines.append(f"{LABELS[n]:<22}{f(k['knee_per_s'], ',.1f'):>11}  {k['status']:<18}{f(k['candidates_per_s_at_knee']):>15}"
                      f"{f(k['mean_batch_requests_at_knee'], '.1f'):>12}{f(k['dedup_ratio_at_knee'], '.2f'):>7}{f(k['p99_ms_at_knee'], '.1f'):>8}")
+    sc = r["system_cost"]
+    system = "system cost from the closed-loop ceilings: n/a (needs both closed-loop runs, batched above 1 request/forward)"
+    if sc is not None:
+        system = (f"system cost from the closed-loop ceilings: {sc['per_batch_ms']:.2f} ms per batch + {sc['per_request_ms']:.2f} ms per request; "
+                  f"its cap at the knee's {f(r['mean_batch_requests_at_knee'], '.2f')} requests/forward: {f(r['system_batching_cap_at_knee'], '.2f')}x")
     lines += [
         f"batching gain {f(r['batching_gain'], '.2f')}x (goal >= {GOAL_BATCHING_GAIN:g}x); theoretical cap {f(r['theoretical_batching_cap'], '.2f')}x = {r['theoretical_batching_cap_formula']}",
         f"2-ranker scaling {f(r['scaling_2_rankers'], '.2f')}x (goal >= {GOAL_SCALING_2:g}x)",
@@ -635,6 +658,7 @@ def format_report(r: dict[str, Any]) -> str:
         + ", ".join(f"{LABELS[n]} {f(v, ',.1f')} req/s" for n, v in r["saturation_requests_per_s"].items())
         + f"; gain {f(r['saturation_gain'], '.2f')}x at {f(r['mean_batch_requests_at_saturation'], '.1f')} requests/forward "
         f"(forward-only cap {f(r['theoretical_batching_cap_at_saturation'], '.2f')}x), 2-ranker scaling {f(r['saturation_scaling_2_rankers'], '.2f')}x",
+        system,
         "forward cost (DLRM score_pooled): " + "; ".join(f"{d['device']} {d['fixed_ms']:.3f} ms + {d['per_candidate_us']:.3f} us/candidate" for d in r["forward_costs"].values())
         + f"  (CPU: {fc['fixed_ms'] + fc['per_candidate_us'] * 1e-3 * c['candidates']:.2f} ms per {c['candidates']}-candidate request)",
         f"lookup dedup ratio (ids / unique ids) at the knee: batched {f(r['dedup_ratio'], '.2f')}, unbatched {f(r['dedup_ratio_unbatched'], '.2f')}",

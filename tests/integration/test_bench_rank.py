@@ -45,6 +45,14 @@ def test_batching_cap_is_the_documented_formula() -> None:
     assert batching_cap(cost(-0.01, 2.0), candidates=500, mean_batch_requests=8.0) == pytest.approx(1.0)  # fitted noise below 0
 
 
+def test_system_cost_solves_the_two_closed_loop_points() -> None:
+    # 50 req/s unbatched (20 ms each), 200 req/s in batches of 5 (5 ms each):
+    # F + v = 20 and F / 5 + v = 5 -> F = 18.75 ms per batch, v = 1.25 ms per request.
+    sc = bench.system_cost(50.0, 200.0, 5.0)
+    assert sc is not None and sc["per_batch_ms"] == pytest.approx(18.75) and sc["per_request_ms"] == pytest.approx(1.25)
+    assert bench.system_cost(50.0, 200.0, 1.0) is None and bench.system_cost(None, 200.0, 5.0) is None
+
+
 def test_forward_cost_of_a_real_dlrm_grows_with_the_batch() -> None:
     from ranker.config import DlrmConfig
     from ranker.models.dlrm import DlrmRanker

@@ -178,6 +178,39 @@ def test_an_index_refresh_under_traffic_drops_no_request_and_changes_the_version
     assert first_new > 0 and set(versions[:first_new]) == {reply.previous_version} and set(versions[first_new:]) == {reply.index_version}
 
 
+def test_an_added_item_is_retrievable_at_once_for_a_user_whose_history_matches_it(stack: Stack) -> None:
+    arrays = stack.world.export.arrays
+    cat = np.asarray(arrays.item_category)
+    h = arrays.user_history
+    # The user whose history is most concentrated in one category, and that category.
+    shares = [(np.bincount(cat[np.asarray(h.values)[h.offsets[u] : h.offsets[u + 1]]], minlength=16).max() / max(1, h.offsets[u + 1] - h.offsets[u]), u) for u in range(100)]
+    _, user = max(shares)
+    favourite = int(np.bincount(cat[np.asarray(h.values)[h.offsets[user] : h.offsets[user + 1]]]).argmax())
+    new_id = arrays.num_items
+    tags = np.asarray(arrays.item_tags.values)[arrays.item_tags.offsets[0] : arrays.item_tags.offsets[1]]
+    request = admin_pb2.AddItemsRequest(item_ids=pack(np.array([new_id], np.int64)), categories=pack(np.array([favourite], np.int64)),
+                                        tag_ids=pack(tags.astype(np.int64)), tag_lengths=pack(np.array([tags.size], np.int64)), admin_token=TOKEN)  # fmt: skip
+    before = recommend(stack.address, user, k=200)
+    assert new_id not in unpack(before.item_ids, "i").tolist()
+    with grpc.insecure_channel(stack.address) as ch:
+        reply = AdminStub(ch).AddItems(request, timeout=60)
+        with pytest.raises(grpc.RpcError) as again:  # the same id twice: not the next id any more
+            AdminStub(ch).AddItems(request, timeout=60)
+    assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{new_id + 1}" in again.value.details()
+    assert reply.added == 1 and reply.upserted_rows > 0 and reply.num_items == new_id + 1 and reply.index_version != before.index_version
+    after = recommend(stack.address, user, k=200)
+    assert after.index_version == reply.index_version and not after.degraded
+    assert new_id in unpack(after.item_ids, "i").tolist()  # retrieved by L0, kept by L1-L3, without a rebuild
+    # Every ranker knows it: ranking it directly works on both replicas.
+    from recserve.v1 import ranking_pb2
+    from recserve.v1.ranking_pb2_grpc import RankingStub
+
+    for address in stack.rankers.addresses:
+        with grpc.insecure_channel(address) as ch:
+            r = RankingStub(ch).Rank(ranking_pb2.RankRequest(header=make_header(timeout_s=10), user_id=user, candidate_ids=pack(np.array([new_id, 1], np.int64))), timeout=10)
+            assert new_id in unpack(r.item_ids, "i").tolist()
+
+
 def test_with_one_of_two_rankers_killed_calls_keep_succeeding(stack: Stack) -> None:
     stack.rankers.kill(1)
     try:

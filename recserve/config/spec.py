@@ -511,6 +511,10 @@ class ClusterConfig:
             )
         tnames = [t.name for t in self.tenants]
         _require(len(set(tnames)) == len(tnames), "tenants[].name", tnames, "tenant names must be unique")
+        # L2 sends up to max(l1_out, k) candidates in one Rank call (k widens the stages).
+        widest = max(self.cascade.l1_out, self.cascade.max_k)
+        _require(widest <= self.ranker.max_candidates, "cascade.l1_out / cascade.max_k", widest,
+                 f"keep both at most ranker.max_candidates ({self.ranker.max_candidates:,}): L2 ranks that many in one Rank call, or raise ranker.max_candidates")
         shard_ports = parse_port_range("topology.shard_ports", self.topology.shard_ports)
         if shard_ports is not None:
             size = shard_ports[1] - shard_ports[0] + 1

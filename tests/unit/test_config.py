@@ -154,3 +154,10 @@ def test_cascade_defaults_and_overrides_parse() -> None:
     c = loads(BASE + '[cascade]\nl0_out = 5000\nreply_margin_ms = 2\ncost_prior_fixed_ms = [1, 1, 4, 4]\nindex_factory = "IVF256,PQ16"\nnprobe = 16\nlog_path = "/tmp/impressions.log"\n').cascade
     assert (c.l0_out, c.reply_margin_ms, c.index_factory, c.nprobe, c.log_path) == (5000, 2.0, "IVF256,PQ16", 16, "/tmp/impressions.log")
     assert c.cost_prior_fixed_ms == (1.0, 1.0, 4.0, 4.0) and type(c.cost_prior_fixed_ms[0]) is float
+
+
+def test_the_cascade_never_sends_a_ranker_more_candidates_than_it_takes() -> None:
+    base = default_config()
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(base, ranker=dataclasses.replace(base.ranker, max_candidates=512, max_batch_candidates=4096))
+    assert "cascade.l1_out / cascade.max_k = 1000" in str(err.value) and "ranker.max_candidates (512)" in str(err.value)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from recserve.config import loads
 from recserve.config.spec import FeatureConfig, TableConfig
 
@@ -20,6 +22,16 @@ def tables_and_features(manifest: dict[str, Any]) -> tuple[tuple[TableConfig, ..
     tables = tuple(TableConfig(name=n, rows=int(t["rows"]), dim=int(t["dim"]), pooling=str(t["pooling"])) for n, t in sorted(manifest["tables"].items()))
     features = tuple(FeatureConfig(name=str(f["name"]), table=str(f["table"])) for f in manifest["features"])
     return tables, features
+
+
+def access_frequencies(manifest: dict[str, Any], item_impressions: Any) -> dict[str, np.ndarray]:
+    """table -> float [rows] access frequency of every item-keyed table, for the planner:
+    the training log's impressions + 1 (what a real system knows of popularity), and 1
+    for the rows reserved for items added later (``new_item_rows``)."""
+    counts = np.asarray(item_impressions, dtype=np.float64) + 1.0
+    spare = np.ones(int(manifest.get("new_item_rows", 0)), dtype=np.float64)
+    freq = np.concatenate((counts, spare))
+    return {t: freq for t in manifest.get("item_tables", []) if int(manifest["tables"][t]["rows"]) == freq.shape[0]}
 
 
 def cluster_spec_toml(manifest: dict[str, Any], models_dir: Path | str, *, num_shards: int = 2) -> str:

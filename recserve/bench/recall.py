@@ -24,8 +24,9 @@ Measured over ``--queries`` sampled users (figures are means over them):
   served stack (shards, ``[topology] rankers`` rankers, the cascade; ``ServingStack``),
   sequential and unloaded, after a warm-up; ``speedup`` = exhaustive / cascade p50;
 * ``lost_at``: for each missed item of the two comparisons above, the first stage whose
-  output lacks it (L0 losses split into ``L0_index``: in the exact top-k0, lost by the
-  approximate index, and ``L0_two_tower``: not even in the exact top-k0);
+  output lacks it (L0 losses split into ``L0_degraded``: L0 skipped or shrank for that
+  request, ``L0_index``: in the exact top-k0, lost by the approximate index, and
+  ``L0_two_tower``: not even in the exact top-k0);
 * ``sweep``: L0 recall@k0 against per-query search time over nprobe / efSearch values
   (:mod:`recserve.bench.recall_sweep`), and its PNG (``OUT/recall_curve.png``).
 
@@ -151,7 +152,7 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
     import faiss
     import torch
 
-    from cascade.budget import Stage, stage_sizes_for
+    from cascade.budget import stage_sizes_for
     from cascade.export_view import open_export_view
     from cascade.index import build_index
     from cascade.service import index_config
@@ -225,7 +226,8 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
         if not args.keep_run:
             shutil.rmtree(run_dir / "shards", ignore_errors=True)
 
-    stages = {s.name: traced[s] for s in Stage}
+    stages: dict[str, np.ndarray] = traced["stages"]
+    l0_degraded = traced["l0_degraded"]
     l2_top = stages["L2"][:, :TOP]
     final = stages["L3"][:, :TOP]
     exhaustive_top = exhaustive[:, :TOP]
@@ -243,9 +245,9 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
         "exhaustive_recall_vs_truth": float(overlap_fraction(exhaustive_top, truth).mean()),
         "reference_recall_vs_truth": float(overlap_fraction(reference, truth).mean()),
         "lost_at": {
-            "l2_vs_exhaustive": _lost_at(exhaustive_top, stages, exact_l0, until="L2"),
-            "final_vs_reference": _lost_at(reference, stages, exact_l0, until="L3"),
-            "truth": _lost_at(truth, stages, exact_l0, until="L3"),
+            "l2_vs_exhaustive": _lost_at(exhaustive_top, stages, exact_l0, l0_degraded, until="L2"),
+            "final_vs_reference": _lost_at(reference, stages, exact_l0, l0_degraded, until="L3"),
+            "truth": _lost_at(truth, stages, exact_l0, l0_degraded, until="L3"),
         },
         "cascade_ms_p50": cascade_p50,
         "cascade_ms_p99": float(np.percentile(served["ms"], 99)),
@@ -255,6 +257,8 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
         "degraded_responses": served["degraded"],
         "failed_responses": served["failed"],
         "degraded_reasons": served["reasons"],
+        "inprocess_degraded_reasons": traced["reasons"],
+        "inprocess_stage_ran_ms_p50": traced["ran_ms_p50"],
         "served_vs_inprocess_overlap": float(overlap_fraction(served["items"], final).mean()),
         "exhaustive_check_max_abs_diff": check,
         "sweep": [dataclasses.asdict(p) for p in points],
@@ -275,12 +279,14 @@ def _goal(value: float, target: float) -> dict[str, Any]:
     return {"value": value, "target": target, "met": bool(value >= target)}
 
 
-def _lost_at(wanted: np.ndarray, stages: dict[str, np.ndarray], exact_l0: np.ndarray, *, until: str) -> dict[str, int]:
-    from recserve.bench.recall_oracles import contains
-
+def _lost_at(wanted: np.ndarray, stages: dict[str, np.ndarray], exact_l0: np.ndarray, l0_degraded: np.ndarray, *, until: str) -> dict[str, int]:
     """Count each item of ``wanted`` ``[B, k]`` missing from the ``until`` stage's top-k by
     the first stage whose output lacks it (``kept_but_outranked``: in every stage's output
-    up to ``until`` but below its top k)."""
+    up to ``until`` but below its top k). L0's losses are split three ways: ``L0_degraded``
+    (L0 skipped or shrank for that request, ``l0_degraded`` ``[B]``), ``L0_index`` (in the
+    exact top-k0: the approximate index lost it) and ``L0_two_tower`` (not even there)."""
+    from recserve.bench.recall_oracles import contains
+
     names = ["L0", "L1", "L2", "L3"][: ["L0", "L1", "L2", "L3"].index(until) + 1]
     k = wanted.shape[1]
     present = {s: contains(stages[s], wanted) for s in names}  # [B, k] each
@@ -291,8 +297,10 @@ def _lost_at(wanted: np.ndarray, stages: dict[str, np.ndarray], exact_l0: np.nda
     for s in names:
         lost = alive & ~present[s]
         if s == "L0":
-            out["L0_index"] = int((lost & in_exact).sum())
-            out["L0_two_tower"] = int((lost & ~in_exact).sum())
+            degraded = np.broadcast_to(l0_degraded[:, None], lost.shape)
+            out["L0_degraded"] = int((lost & degraded).sum())
+            out["L0_index"] = int((lost & ~degraded & in_exact).sum())
+            out["L0_two_tower"] = int((lost & ~degraded & ~in_exact).sum())
         else:
             out[s] = int(lost.sum())
         alive &= present[s]
@@ -346,9 +354,11 @@ def _served(address: str, warm_users: np.ndarray, users: np.ndarray, deadline_s:
             "stage_ms_p50": {s: float(np.percentile(v, 50)) for s, v in stage_ms.items()}}  # fmt: skip
 
 
-async def _traced(cluster: Any, view: Any, index: Any, rankers: list[str], warm_users: np.ndarray, users: np.ndarray, deadline_s: float) -> dict[Any, np.ndarray]:
+async def _traced(cluster: Any, view: Any, index: Any, rankers: list[str], warm_users: np.ndarray, users: np.ndarray, deadline_s: float) -> dict[str, Any]:
     """Each stage's output for every user, from an in-process CascadeCore on the same
-    index and rankers (``[B, n_stage]`` int64, -1 padded where a stage output fewer)."""
+    index and rankers: ``stages`` name -> ``[B, n_stage]`` int64 (-1 padded where a stage
+    output fewer); ``l0_degraded`` ``[B]`` bool; ``reasons`` degraded stage counts;
+    ``ran_ms_p50`` each stage's p50 elapsed over the requests where it was not skipped."""
     from cascade.budget import Stage, stage_sizes_for
     from cascade.index import IndexHolder
     from cascade.service import CascadeCore
@@ -360,18 +370,28 @@ async def _traced(cluster: Any, view: Any, index: Any, rankers: list[str], warm_
     sizes = stage_sizes_for(cluster.cascade, view.num_items, TOP)
     out = {s: np.full((users.size, sizes.out(s)), -1, dtype=np.int64) for s in Stage}
     empty = np.zeros(0, dtype=np.int64)
+    l0_degraded = np.zeros(users.size, dtype=bool)
+    reasons: dict[str, int] = {}
+    ran_ms: dict[str, list[float]] = {}
     try:
         for i, user in enumerate([*warm_users.tolist(), *users.tolist()]):  # sequential, like the served pass
             trace: dict[Stage, np.ndarray] = {}
             j = i - warm_users.size
             q = core.query(int(user), TOP, empty, empty, deadline=time.monotonic() + (deadline_s if j >= 0 else max(deadline_s, WARMUP_DEADLINE_S)))
-            await core.recommend(q, trace=trace)
+            rec = await core.recommend(q, trace=trace)
             if j >= 0:
                 for s, ids in trace.items():
                     out[s][j, : min(ids.size, out[s].shape[1])] = ids[: out[s].shape[1]]
+                for r in rec.reports:  # four stages
+                    if r.degraded:
+                        reasons[f"{r.stage}:{r.degraded_reason.value}"] = reasons.get(f"{r.stage}:{r.degraded_reason.value}", 0) + 1
+                    if r.scored > 0:
+                        ran_ms.setdefault(r.stage, []).append(r.elapsed_ms)
+                l0_degraded[j] = rec.reports[0].degraded
     finally:
         await core.aclose()
-    return out
+    return {"stages": {s.name: a for s, a in out.items()}, "l0_degraded": l0_degraded, "reasons": reasons,
+            "ran_ms_p50": {s: float(np.percentile(v, 50)) for s, v in ran_ms.items()}}  # fmt: skip
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -390,10 +410,12 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'degraded / failed calls':<28} {r['degraded_responses']:>10d} {r['failed_responses']:>8d}  {r['degraded_reasons'] or ''}",
         f"{'served vs in-process top-10':<28} {r['served_vs_inprocess_overlap']:>10.3f}",
         "",
-        "stage    out  recall@10 of truth   p50 ms (served)",
+        "stage    out  recall@10 of truth   p50 ms served   p50 ms when run (in-process)",
     ]
     for (name, rec), size in zip(r["stage_recall"].items(), c["stage_sizes"]):
-        lines.append(f"{name:<5} {size:>6,}  {rec:>18.3f}   {r['stage_ms_p50'].get(name, math.nan):>14.2f}")
+        ran = r["inprocess_stage_ran_ms_p50"].get(name, math.nan)
+        lines.append(f"{name:<5} {size:>6,}  {rec:>18.3f}   {r['stage_ms_p50'].get(name, math.nan):>13.2f}   {ran:>28.2f}")
+    lines.append(f"in-process degraded stages: {r['inprocess_degraded_reasons'] or 'none'}")
     lines += [f"exhaustive DLRM top-10 vs truth {r['exhaustive_recall_vs_truth']:.3f}; L3 reference vs truth {r['reference_recall_vs_truth']:.3f}", ""]
     for key, lost in r["lost_at"].items():
         lines.append(f"lost ({key}): " + ", ".join(f"{k} {v}" for k, v in lost.items()))

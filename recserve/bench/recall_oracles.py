@@ -32,7 +32,9 @@ from ranker.scoring import score_pairs
 from recserve.catalog.storage import Catalog
 
 USER_CHUNK = 64  # users per [chunk, N] ground-truth score block
-SCORE_CHUNK = 262_144  # items per score_pooled call (bounds the [chunk, F, D] blocks)
+# Items per score_pooled call: blocks that stay in cache. On 200k items, 1 thread: 187 ms
+# per user at 2,048, 200 ms at 4,096, 357 ms at 65,536, 501 ms at 262,144.
+SCORE_CHUNK = 2_048
 
 
 def mask_seen(scores: np.ndarray, arrays: ServingArrays, users: np.ndarray) -> None:

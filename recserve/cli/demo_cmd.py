@@ -14,6 +14,8 @@
 4. Start a real ranker process (``recserve ranker serve``) on those shards and rank a
    sample user's candidates over gRPC with each model; print the top items with their
    scores, and check the DLRM answer against the in-process model.
+5. Start the cascade (``recserve cascade serve``) over the shards and the ranker and send
+   a few ``Recommend`` calls; print each user's items, scores and stage reports.
 
 Later issues extend it until it serves the whole cascade.
 """
@@ -83,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         print("== ranking a sample user's candidates over gRPC (recserve ranker serve) ==")
         print(ranked["table"])
         print(f"oracle      DLRM scores over gRPC equal the in-process DLRM: {ranked['matches']}")
+        print("== Recommend through the L0-L3 cascade (recserve cascade serve), 200 ms deadlines ==")
+        print(ranked["recommendations"])
         ok = lookups["pooled_matches_torchrec"] and lookups["scores_match"] and lookups["degraded_callers"] == 0 and ranked["matches"]
         return 0 if ok else 1
 
@@ -113,7 +117,7 @@ def _lookup_demo(cluster: Any, report: Any, workdir: Path, args: argparse.Namesp
     from ranker.features import dense_features, sparse_features
     from ranker.models.dlrm import DLRM_FEATURES, DlrmRanker
     from ranker.serving import check_table_versions, load_model, open_export
-    from ranker.spec import tables_and_features
+    from ranker.spec import access_frequencies, tables_and_features
     from recserve.cluster.shards import ShardCluster
     from recserve.lookup.client import LookupClient
     from recserve.lookup.config import LookupClientConfig
@@ -125,7 +129,7 @@ def _lookup_demo(cluster: Any, report: Any, workdir: Path, args: argparse.Namesp
     features = tuple(f for f in tables_and_features(export.manifest)[1] if f.table.startswith("dlrm_"))
     # Access frequency of the item table: its train-log impression counts (what a real
     # system knows), not the catalog's popularity.
-    freq = {"dlrm_item": np.asarray(export.arrays.counts.item[:, 0], dtype=np.float64) + 1.0}
+    freq = access_frequencies(export.manifest, export.arrays.counts.item[:, 0])
     # Every exported table: the lookups below read DLRM's, the ranker all three models'.
     plan = plan_tables(list(tables), freq, cluster.sharding).plan
     tplan = plan.tables["dlrm_item"]
@@ -195,6 +199,7 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
     from recserve.client import RankingClient
     from ranker.scoring import score_pairs
     from ranker.serving import load_model, open_export
+    from recserve.cluster.cascade import CascadeCluster
     from recserve.cluster.rankers import RankerCluster
 
     export = open_export(report.out)
@@ -208,8 +213,12 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
         async with RankingClient(rankers.addresses) as client:
             return {m: await client.rank(user, candidates, model=m, timeout_s=10.0) for m in ("dlrm", "l3", "two_tower")}
 
-    with RankerCluster(report.out / "cluster.toml", report.out, shard_addresses, num_rankers=1, data_root=workdir / "rankers") as rankers:
+    spec = report.out / "cluster.toml"
+    with RankerCluster(spec, report.out, shard_addresses, num_rankers=1, data_root=workdir / "rankers") as rankers:
         answers = asyncio.run(go())
+        # The cascade over the same shards and ranker: Recommend end to end.
+        with CascadeCluster(spec, report.out, rankers.addresses, shard_addresses, data_root=workdir / "cascade") as cascade:
+            recommendations = _recommend_demo(cascade.address, [user] + rng.integers(0, arrays.num_users, 2).tolist())
     dlrm = load_model(export, "dlrm", device="cpu", with_tables=True)
     with torch.no_grad():
         want = dict(zip(candidates.tolist(), score_pairs(dlrm, arrays, np.full(candidates.shape, user), candidates).tolist()))  # type: ignore[arg-type]
@@ -221,7 +230,33 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
         lines.append(f"{k + 1:>4}  " + "  ".join(f"{int(a.item_ids[k]):>14,} {float(a.scores[k]):>8.3f}" for a in answers.values()))
     degraded = [m for m, a in answers.items() if a.degraded]
     lines.append(f"degraded    {degraded or 'none'}")
-    return {"table": "\n".join(lines), "matches": matches}
+    return {"table": "\n".join(lines), "matches": matches, "recommendations": recommendations}
+
+
+def _recommend_demo(address: str, users: list[int]) -> str:
+    """A few Recommend calls over gRPC: each user's items, scores and stage reports."""
+    import grpc
+    import numpy as np
+
+    from recserve.rpc.deadline import make_header
+    from recserve.rpc.tensors import unpack
+    from recserve.v1 import recommender_pb2
+    from recserve.v1.recommender_pb2_grpc import RecommenderStub
+
+    lines = []
+    with grpc.insecure_channel(address) as channel:
+        stub = RecommenderStub(channel)
+        stub.Recommend(recommender_pb2.RecommendRequest(header=make_header(timeout_s=5.0), user_id=users[0], k=10), timeout=10)  # warm-up
+        for user in users:
+            resp = stub.Recommend(recommender_pb2.RecommendRequest(header=make_header(timeout_s=0.2), user_id=int(user), k=10), timeout=5)
+            items, scores = unpack(resp.item_ids, "item_ids"), unpack(resp.scores, "scores")
+            lines.append(f"user {int(user):,}: coverage {resp.coverage:.2f}, degraded {resp.degraded_reason or 'no'}, index {resp.index_version}")
+            lines.append("  items   " + " ".join(f"{int(i):>7,}" for i in items))
+            lines.append("  scores  " + " ".join(f"{float(x):>7.3f}" for x in np.asarray(scores)))
+            lines.append(f"  {'stage':<6}{'budget ms':>10}{'elapsed ms':>11}{'in':>7}{'out':>6}{'coverage':>9}  degraded")
+            for st in resp.stages:
+                lines.append(f"  {st.stage:<6}{st.budget_ms:>10.1f}{st.elapsed_ms:>11.1f}{st.in_count:>7,}{st.out_count:>6,}{st.coverage:>9.2f}  {st.degraded_reason or '-'}")
+    return "\n".join(lines)
 
 
 def _table_versions(addresses: list[str]) -> dict[str, str]:

@@ -236,14 +236,12 @@ def _check_tables(cluster: Any, tables: Any, spec_path: Path, models: Path) -> N
 def _plan(cluster: Any, export: Any, tables: Any, data_root: Path) -> tuple[Path, int | None]:
     """Plan the export's tables over the spec's shards; its path under ``data_root`` and,
     for a ``placement = "budget"`` plan, the row cache its budget leaves per shard."""
-    import numpy as np
-
+    from ranker.spec import access_frequencies
     from recserve.sharding import plan_tables
 
-    counts = np.asarray(export.arrays.counts.item[:, 0], dtype=np.float64) + 1.0
     # Item-keyed tables are read as often as their items are shown: the training log's
     # impression counts (what a real system knows), not the catalog's popularity.
-    freq = {t.name: counts for t in tables if t.name.endswith("_item") and t.rows == counts.size}
+    freq = access_frequencies(export.manifest, export.arrays.counts.item[:, 0])
     result = plan_tables(list(tables), freq, cluster.sharding)
     data_root.mkdir(parents=True, exist_ok=True)
     path = data_root / "plan.json"

@@ -117,7 +117,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-seconds", type=float, default=3.0, help="shortest arrival period of a knee probe (default 3 s)")
     p.add_argument("--min-probe-requests", type=int, default=200,
                    help="a probe lasts until about this many arrivals (a 99%% target needs a few hundred), up to --max-probe-seconds (default 200)")
-    p.add_argument("--max-probe-seconds", type=float, default=8.0, help="longest arrival period of a knee probe (default 8 s)")
+    p.add_argument("--max-probe-seconds", type=float, default=15.0, help="longest arrival period of a knee probe (default 15 s)")
     p.add_argument("--max-probe-requests", type=int, default=1_500, help="at most this many arrivals per probe: an overloaded probe stays short (default 1500)")
     p.add_argument("--warmup-requests", type=int, default=200, help="closed-loop requests before each config's search (shard caches, channels; default 200)")
     p.add_argument("--saturation-seconds", type=float, default=3.0, help="closed-loop run after each knee search, the throughput ceiling (default 3 s; 0 = skip)")

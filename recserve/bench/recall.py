@@ -59,6 +59,7 @@ REFERENCE_POOL = 100  # exhaustive DLRM's top-100 feeds the L3 reference
 # nothing) until probe_after_skips. With room to run, the EWMA forgets those first
 # samples within --warmup calls, and the measured calls see a warm server's models.
 WARMUP_DEADLINE_S = 2.0
+L3_CHECK_USERS = 20
 
 
 def _speedup_goal(items: int) -> float:
@@ -221,7 +222,7 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
             with CascadeCluster(spec_path, models, stack.rankers.addresses, stack.shards.client_addresses, data_root=run_dir / "cascade",
                                 extra_args=["--index", str(run_dir / "index")]) as cascade:  # fmt: skip
                 served = _served(cascade.address, warm_users, users, deadline_s)
-                traced = asyncio.run(_traced(cluster, view, index, stack.rankers.addresses, warm_users, users, deadline_s))
+                traced = asyncio.run(_traced(cluster, view, index, stack.rankers.addresses, warm_users, users, deadline_s, exhaustive, reference))
     finally:
         if not args.keep_run:
             shutil.rmtree(run_dir / "shards", ignore_errors=True)
@@ -241,6 +242,8 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
         "l0_recall_vs_exact": l0_recall,
         "stage_recall": {name: float(overlap_fraction(ids, truth).mean()) for name, ids in stages.items()},
         "l2_recall_vs_exhaustive": float(overlap_fraction(l2_top, exhaustive_top).mean()),
+        "l2_top100_vs_exhaustive_top100": float(overlap_fraction(stages["L2"], exhaustive).mean()),
+        "served_l3_vs_reference": traced["served_l3_vs_reference"],
         "final_recall_vs_reference": float(overlap_fraction(final, reference).mean()),
         "exhaustive_recall_vs_truth": float(overlap_fraction(exhaustive_top, truth).mean()),
         "reference_recall_vs_truth": float(overlap_fraction(reference, truth).mean()),
@@ -269,6 +272,10 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
         "final_recall_vs_reference": _goal(report["final_recall_vs_reference"], GOAL_RECALL),
         "speedup": _goal(report["speedup"], _speedup_goal(n)),
     }
+    # Everything the figures came from, for analysis offline (e.g. other stage sizes or priors).
+    saved: dict[str, np.ndarray] = {"users": users, "truth": truth, "exhaustive": exhaustive, "reference": reference, "exact_l0": exact_l0,
+                                    "l0_degraded": l0_degraded, "served": served["items"], **{f"stage_{k}": v for k, v in stages.items()}}  # fmt: skip
+    np.savez_compressed(args.out / "traces.npz", **saved)  # type: ignore[arg-type]  # numpy's stub types **kwds as its bool flag
     plot = args.out / "recall_curve.png"
     plot_sweep(plot, points, k0=sizes.l0, title=f"recserve bench recall: L0 {index.factory}, {n:,} items, k0 = {sizes.l0:,}, {users.size} users")
     report["plot"] = str(plot)
@@ -354,11 +361,15 @@ def _served(address: str, warm_users: np.ndarray, users: np.ndarray, deadline_s:
             "stage_ms_p50": {s: float(np.percentile(v, 50)) for s, v in stage_ms.items()}}  # fmt: skip
 
 
-async def _traced(cluster: Any, view: Any, index: Any, rankers: list[str], warm_users: np.ndarray, users: np.ndarray, deadline_s: float) -> dict[str, Any]:
+async def _traced(cluster: Any, view: Any, index: Any, rankers: list[str], warm_users: np.ndarray, users: np.ndarray, deadline_s: float,
+                  exhaustive: np.ndarray, reference: np.ndarray) -> dict[str, Any]:  # fmt: skip
     """Each stage's output for every user, from an in-process CascadeCore on the same
     index and rankers: ``stages`` name -> ``[B, n_stage]`` int64 (-1 padded where a stage
     output fewer); ``l0_degraded`` ``[B]`` bool; ``reasons`` degraded stage counts;
-    ``ran_ms_p50`` each stage's p50 elapsed over the requests where it was not skipped."""
+    ``ran_ms_p50`` each stage's p50 elapsed over the requests where it was not skipped;
+    ``served_l3_vs_reference``: the served ``Rank(model="l3")`` over exhaustive DLRM's
+    top-100 (``exhaustive`` ``[B, 100]``) against the in-process ``reference`` top-10, on
+    up to :data:`L3_CHECK_USERS` users (1.0 = the reference is what the rankers compute)."""
     from cascade.budget import Stage, stage_sizes_for
     from cascade.index import IndexHolder
     from cascade.service import CascadeCore
@@ -388,9 +399,13 @@ async def _traced(cluster: Any, view: Any, index: Any, rankers: list[str], warm_
                     if r.scored > 0:
                         ran_ms.setdefault(r.stage, []).append(r.elapsed_ms)
                 l0_degraded[j] = rec.reports[0].degraded
+        l3_hits = []
+        for j in range(min(L3_CHECK_USERS, users.size)):  # a few RPCs: is the in-process reference what the rankers compute?
+            res = await client.rank(int(users[j]), exhaustive[j], model="l3", timeout_s=10.0)
+            l3_hits.append(float(np.isin(reference[j], np.asarray(res.item_ids)[:TOP]).mean()))
     finally:
         await core.aclose()
-    return {"stages": {s.name: a for s, a in out.items()}, "l0_degraded": l0_degraded, "reasons": reasons,
+    return {"stages": {s.name: a for s, a in out.items()}, "l0_degraded": l0_degraded, "reasons": reasons, "served_l3_vs_reference": float(np.mean(l3_hits)),
             "ran_ms_p50": {s: float(np.percentile(v, 50)) for s, v in ran_ms.items()}}  # fmt: skip
 
 
@@ -409,6 +424,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"{'exhaustive_l2_ms_p50':<28} {r['exhaustive_l2_ms_p50']:>10.1f}",
         f"{'degraded / failed calls':<28} {r['degraded_responses']:>10d} {r['failed_responses']:>8d}  {r['degraded_reasons'] or ''}",
         f"{'served vs in-process top-10':<28} {r['served_vs_inprocess_overlap']:>10.3f}",
+        f"{'served L3 vs reference L3':<28} {r['served_l3_vs_reference']:>10.3f}",
+        f"{'L2 top-100 vs exhaustive':<28} {r['l2_top100_vs_exhaustive_top100']:>10.3f}",
         "",
         "stage    out  recall@10 of truth   p50 ms served   p50 ms when run (in-process)",
     ]

@@ -40,7 +40,7 @@ from recserve.rpc.tensors import pack, unpack
 from recserve.v1 import ranking_pb2, recommender_pb2
 from recserve.v1.ranking_pb2_grpc import RankingStub
 from recserve.v1.recommender_pb2_grpc import RecommenderStub
-from tests.integration.ranker_world import MAX_CANDIDATES, RankerWorld, make_ranker_world, spec_text
+from tests.integration.ranker_world import RankerWorld, make_ranker_world, spec_text
 
 pytestmark = pytest.mark.integration
 
@@ -51,7 +51,7 @@ STOP_TIMEOUT_S = 60.0
 # for ever, so a generous bound cannot hide a bug.
 ORPHAN_BOUND_S = 10.0
 ENDPOINT = re.compile(r"^gRPC (\w+) at (\S+) \((\w+) (\d+), pid (\d+), log (.+)\)$")
-STAGES = f"l0_out = 400\nl1_out = {MAX_CANDIDATES // 2}\nl2_out = 50\nl3_out = 10\n"
+STAGES = "l0_out = 400\nl1_out = 256\nl2_out = 50\nl3_out = 10\n"  # L1 output and max_k fit one Rank (MAX_CANDIDATES)
 HEALTH_SERVICE = {"EmbeddingShard": "", "Ranking": "recserve.v1.Ranking", "Recommender": "recserve.v1.Recommender"}
 
 

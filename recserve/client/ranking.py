@@ -340,7 +340,7 @@ class RankingClient:
                 raise
             finally:
                 end = self.clock()
-                router.on_result(replica, code, end - now, end, cost=cost)
+                router.on_result(replica, _verdict(code, timeout, router.hedge_delay(replica)), end - now, end, cost=cost)
             refusal = self._why_not_retry(code, deadline)
             if refusal is not None:
                 error = error_from_code(code, failure + refusal)
@@ -359,3 +359,15 @@ class RankingClient:
             self.stats.retries_refused_by_budget += 1
             return " (not retried: the retry budget is spent)"
         return None
+
+
+def _verdict(code: grpc.StatusCode, timeout_s: float | None, usual_s: float) -> grpc.StatusCode:
+    """The status the router should judge the replica by. A DEADLINE_EXCEEDED on a call
+    whose whole timeout was shorter than the replica's usual latency (its hedge-delay
+    percentile) says the caller's budget was tight, not that the replica is sick: the
+    cascade's stages set such deadlines on purpose, and three of them must not open a
+    healthy ranker's breaker. It is reported as CANCELLED (no verdict; the time waited
+    still feeds the latency estimate)."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None and timeout_s < usual_s:
+        return grpc.StatusCode.CANCELLED
+    return code

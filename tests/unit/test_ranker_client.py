@@ -414,3 +414,26 @@ def test_two_choices_spreads_load_by_in_flight_candidates() -> None:
             assert client.router.inflight.tolist() == [0.0, 0.0]
 
     run(body)
+
+
+def test_deadlines_shorter_than_a_replicas_usual_latency_do_not_open_its_breaker() -> None:
+    """The cascade sets tight stage deadlines on purpose: a call that times out within less
+    than the replica's usual latency is no verdict on it; one with room to spare is."""
+
+    async def body() -> None:
+        cfg = RoutingConfig(breaker_failures=2, retry_budget=0.0, retry_burst=0.0)
+        async with cluster(1, cfg) as (client, [fake]):
+            fake.set_mode("hold", Hold())
+            usual = client.router.hedge_delay(client.addresses[0])  # 10 ms before any sample
+            for _ in range(4):
+                with pytest.raises(DeadlineExceeded):
+                    await client.rank(7, CANDIDATES, timeout_s=usual / 10)
+            assert client.router.stats.failures == 0
+            assert client.router.state(client.addresses[0], client.clock()) is BreakerState.CLOSED
+            for _ in range(2):
+                with pytest.raises(DeadlineExceeded):
+                    await client.rank(7, CANDIDATES, timeout_s=usual * 3)
+            assert client.router.stats.failures == 2
+            assert client.router.state(client.addresses[0], client.clock()) is BreakerState.OPEN
+
+    run(body)

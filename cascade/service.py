@@ -38,7 +38,7 @@ import numpy as np
 
 from cascade.budget import DecisionKind, RequestBudget, Stage, StageDecision, StagePlanner, resolve_k, stage_sizes_for
 from cascade.export_view import ExportView, open_export_view
-from cascade.index import IndexConfig, IndexHolder, RetrievalIndex, build_index
+from cascade.index import IndexConfig, IndexHolder, RetrievalIndex, SearchKnob, build_index
 from cascade.report import DegradedReason, StageReport, summarize
 from cascade.serving_log import ServingLog
 from cascade.sources import PopularByCategory, merge_candidates, recent_categories
@@ -201,7 +201,10 @@ class CascadeCore:
         if vector is not None:
             k = min(index.ntotal, n_run + seen.size)  # room for the items removed afterwards
             loop = asyncio.get_running_loop()
-            ids, scores, index_version = await loop.run_in_executor(self._executor, lambda: index.search_versioned(vector[None, :], k))
+            nprobe, ef_search = _knobs(index, k, decision)
+            ids, scores, index_version = await loop.run_in_executor(
+                self._executor, lambda: index.search_versioned(vector[None, :], k, nprobe=nprobe, ef_search=ef_search)
+            )
             # The popular source keeps its share (a tenth) even when the index alone could fill L0.
             merged = merge_candidates(ids[0], scores[0], secondary, q.exclude, seen, limit=n_run, secondary_min=secondary.size)
             order = _Order(merged.ids, merged.scores)
@@ -368,6 +371,16 @@ class CascadeCore:
         old = self.index.swap(new)
         log.info("index refreshed: %s -> %s", old.index_version, new.index_version)
         return new.index_version, old.index_version
+
+
+def _knobs(index: RetrievalIndex, k: int, decision: StageDecision) -> tuple[int | None, int | None]:
+    """(nprobe, ef_search) for L0's search: the index's own (config or automatic) unless
+    the stage budget shrank L0, which then scans proportionally fewer lists / visits
+    proportionally fewer graph nodes (search time is about linear in the knob)."""
+    if decision.kind is not DecisionKind.SHRINK or decision.n_in <= 0 or index.knob is SearchKnob.NONE:
+        return None, None
+    knob = max(1, int(index.default_knob(k) * decision.n_run / decision.n_in))
+    return (knob, None) if index.knob is SearchKnob.NPROBE else (None, knob)
 
 
 def _skipped(decision: StageDecision) -> StageDecision:

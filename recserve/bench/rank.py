@@ -202,7 +202,7 @@ def build_world(args: argparse.Namespace, root: Path) -> World:
     from ranker.train import train_all
     from recserve.catalog import CatalogConfig, generate_catalog
     from recserve.config import loads
-    from recserve.config.spec import ShardingConfig
+    from recserve.config.spec import RankerConfig, ShardingConfig
     from recserve.sharding import plan_tables
 
     t0 = time.perf_counter()
@@ -223,8 +223,9 @@ def build_world(args: argparse.Namespace, root: Path) -> World:
         raise SystemExit(f"bench rank: the export's cluster spec has no {SPEC_RANKER_ANCHOR!r} section to replace; update SPEC_RANKER_ANCHOR")
     specs = {}
     for batching in (True, False):
-        lines = ["[ranker]", 'models = ["dlrm"]', 'device = "cpu"', "threads = 1", f"slo_ms = {args.slo_ms}", f"batching = {'true' if batching else 'false'}",
-                 f"max_candidates = {args.candidates}"]  # fmt: skip
+        lines = ["[ranker]", 'models = ["dlrm"]', 'device = "cpu"', "threads = 1", f"slo_ms = {args.slo_ms}", f"batching = {'true' if batching else 'false'}"]
+        if args.candidates > RankerConfig.max_candidates:  # the default cap already admits a request; the cascade section checks against it
+            lines.append(f"max_candidates = {args.candidates}")
         if args.max_wait_ms is not None:
             lines.append(f"max_wait_ms = {args.max_wait_ms}")
         if args.max_batch_candidates is not None:

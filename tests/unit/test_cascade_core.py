@@ -138,3 +138,18 @@ def test_sizes_follow_the_config_and_k() -> None:
     assert [r.out_count for r in res.reports] == [300, 100, 30, 5] and len(res.item_ids) == 5
     assert client.calls[-2:] == [("dlrm", 100), ("l3", 30)]
 
+
+
+def test_a_shrunk_l0_scans_proportionally_fewer_lists() -> None:
+    from cascade.budget import DecisionKind, Stage, StageDecision
+    from cascade.service import _knobs
+
+    rng = np.random.default_rng(4)
+    v = view(rng)
+    ivf = build_index(np.asarray(v.item_vectors), None, IndexConfig(factory="IVF32,Flat", nprobe=16), progress=False)
+    flat = build_index(np.asarray(v.item_vectors), None, IndexConfig(factory="Flat"), progress=False)
+    run_all = StageDecision(Stage.L0, DecisionKind.RUN, 300, 300, 0.01, 0.0, 0.001)
+    half = StageDecision(Stage.L0, DecisionKind.SHRINK, 300, 150, 0.01, 0.0, 0.001)
+    assert _knobs(ivf, 300, run_all) == (None, None)  # the index's own knob
+    assert _knobs(ivf, 300, half) == (8, None)
+    assert _knobs(flat, 300, half) == (None, None)  # exact: nothing to tune

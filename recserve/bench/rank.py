@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -537,21 +538,30 @@ def _run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     configs: dict[str, dict[str, Any]] = {}
     with ShardCluster(world.plan_path, root / "shards", load_from=world.models, server=cluster.shard_server) as shards:
         _log(f"{args.shards} shards SERVING at {shards.addresses}")
-        for batching in (True, False):
-            names = [n for n in args.configs if CONFIGS[n][0] is batching]
-            if not names:
-                continue
-            count = max(CONFIGS[n][1] for n in names)
-            with RankerCluster(world.specs[batching], world.models, shards.addresses, num_rankers=count, data_root=root / f"rankers-{batching}") as rankers:
-                for n in names:
-                    used = range(CONFIGS[n][1])
+        with contextlib.ExitStack() as stack:
+            # Every ranker loads at once (start-up is mostly imports: overlapped, not
+            # queued); a config's idle rankers wait on their sockets while another runs.
+            clusters: dict[bool, RankerCluster] = {}
+            for batching in (True, False):
+                counts = [CONFIGS[n][1] for n in args.configs if CONFIGS[n][0] is batching]
+                if counts:
+                    clusters[batching] = RankerCluster(world.specs[batching], world.models, shards.addresses, num_rankers=max(counts),
+                                                       data_root=root / f"rankers-{'batched' if batching else 'unbatched'}")  # fmt: skip
+                    stack.callback(clusters[batching].stop)
+                    clusters[batching].start(wait=False)
+            for rankers in clusters.values():
+                for k in range(rankers.num_rankers):
+                    rankers.wait_serving(k)
+            _log(f"rankers SERVING: {', '.join(f'{len(c.addresses)} {'batched' if b else 'unbatched'}' for b, c in clusters.items())}") if False else None
+            for n in args.configs:
+                rankers, used = clusters[CONFIGS[n][0]], range(CONFIGS[n][1])
 
-                    def restart(rankers: RankerCluster = rankers, used: range = used) -> None:
-                        for k in used:
-                            rankers.restart(k)
+                def restart(rankers: RankerCluster = rankers, used: range = used) -> None:
+                    for k in used:
+                        rankers.restart(k)
 
-                    addresses = [rankers.address(k) for k in used]
-                    configs[n] = asyncio.run(knee_of(n, addresses, world, args, cluster.routing, None if args.keep_rankers else restart))
+                addresses = [rankers.address(k) for k in used]
+                configs[n] = asyncio.run(knee_of(n, addresses, world, args, cluster.routing, None if args.keep_rankers else restart))
     return summarise(args, configs, costs, cap_formula=CAP_FORMULA, cap=batching_cap, seconds=time.perf_counter() - started)
 
 

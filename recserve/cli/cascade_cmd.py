@@ -3,6 +3,9 @@
 - ``recserve cascade serve --models MODELS --rankers HOST:PORT,... [--config SPEC]
   [--shards HOST:PORT,...] [--index DIR] [--port P]`` serves ``Recommender.Recommend``
   (L0 and L1 in this process, L2 and L3 on the rankers) and ``Admin.RefreshIndex``.
+- ``recserve cascade build-index --models MODELS --out DIR [--config SPEC] [--factory F]``
+  builds the L0 index over the export's item vectors (progress bar) and saves it with its
+  ``model_version``, for ``serve --index DIR`` or ``Admin.RefreshIndex(index_path=DIR)``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--port", type=int, default=0, help="listen port (0 = pick a free one; see --port-file)")
     serve.add_argument("--port-file", default="", help="write the bound port here (atomically) once listening")
     serve.set_defaults(func=_serve)
+    build = sub.add_parser("build-index", help="build the L0 FAISS index of an export and save it")
+    build.add_argument("--models", type=Path, required=True, help="a `recserve train --out` directory")
+    build.add_argument("--out", type=Path, required=True, help="directory to save the index in")
+    build.add_argument("--config", type=Path, default=None, help="cluster spec TOML (its [cascade] index settings; default: the embedded spec)")
+    build.add_argument("--factory", default="", help="FAISS factory string overriding cascade.index_factory (e.g. IVF1024,PQ32)")
+    build.set_defaults(func=_build_index)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
 
@@ -48,4 +57,23 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, port_file=args.port_file, admin_token=os.environ.get("RECSERVE_ADMIN_TOKEN", ""), index_dir=args.index,
     )  # fmt: skip
     asyncio.run(serve(config))
+    return 0
+
+
+def _build_index(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import numpy as np
+
+    from cascade.export_view import open_export_view
+    from cascade.index import build_index
+    from cascade.service import index_config
+    from recserve.config import load
+
+    cluster = load(args.config)
+    cascade = dataclasses.replace(cluster.cascade, index_factory=args.factory) if args.factory else cluster.cascade
+    view = open_export_view(args.models)
+    index = build_index(np.asarray(view.item_vectors), None, index_config(cascade), model_version=view.model_version, progress=True)
+    index.save(args.out)
+    print(f"index {index.factory} over {index.ntotal:,} items, index_version {index.index_version}, saved to {args.out}")
     return 0

@@ -9,9 +9,13 @@ clock for "answers by its deadline".
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -182,6 +186,22 @@ def test_an_index_refresh_under_traffic_drops_no_request_and_changes_the_version
     assert reply.previous_version != reply.index_version and reply.items == stack.world.export.arrays.num_items
     first_new = versions.index(reply.index_version)
     assert first_new > 0 and set(versions[:first_new]) == {reply.previous_version} and set(versions[first_new:]) == {reply.index_version}
+
+
+def test_an_index_built_and_saved_offline_is_loaded_by_refresh(stack: Stack, tmp_path: Path) -> None:
+    out = tmp_path / "index"
+    cmd = [sys.executable, "-m", "recserve", "cascade", "build-index", "--models", str(stack.world.models), "--out", str(out), "--factory", "IVF8,Flat"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    saved = json.loads((out / "manifest.json").read_text())
+    assert saved["model_version"] == stack.world.export.model_version
+    with grpc.insecure_channel(stack.address) as ch:
+        reply = AdminStub(ch).RefreshIndex(admin_pb2.RefreshIndexRequest(index_path=str(out), admin_token=TOKEN), timeout=60)
+        assert reply.index_version == saved["index_version"]
+        with pytest.raises(grpc.RpcError) as err:  # a directory without an index: refused, the old one keeps serving
+            AdminStub(ch).RefreshIndex(admin_pb2.RefreshIndexRequest(index_path=str(tmp_path), admin_token=TOKEN), timeout=60)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert recommend(stack.address, 3, k=5).index_version == saved["index_version"]
 
 
 def new_item_vector(export: Export, category: int, tags: np.ndarray) -> np.ndarray:

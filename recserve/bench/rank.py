@@ -552,7 +552,7 @@ def _run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
             for rankers in clusters.values():
                 for k in range(rankers.num_rankers):
                     rankers.wait_serving(k)
-            _log(f"rankers SERVING: {', '.join(f'{len(c.addresses)} {'batched' if b else 'unbatched'}' for b, c in clusters.items())}") if False else None
+            _log("rankers SERVING: " + ", ".join(f"{'batched' if b else 'unbatched'} {c.addresses}" for b, c in clusters.items()))
             for n in args.configs:
                 rankers, used = clusters[CONFIGS[n][0]], range(CONFIGS[n][1])
 

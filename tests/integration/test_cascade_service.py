@@ -119,7 +119,7 @@ def test_bad_requests_get_statuses_and_a_past_deadline_runs_no_stage(stack: Stac
         for req, text in cases:
             with pytest.raises(grpc.RpcError) as err:
                 stub.Recommend(req, timeout=10)
-            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in err.value.details(), err.value.details()
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and text in str(err.value.details()), err.value.details()
         past = recommender_pb2.RecommendRequest(header=make_header(timeout_s=5), user_id=1, k=5)
         past.header.deadline_unix_ms = int((time.time() - 1) * 1000)
         before = AdminStub(ch).ModelStatus(admin_pb2.ModelStatusRequest(), timeout=5).requests
@@ -246,7 +246,7 @@ def test_an_added_item_is_retrievable_at_once_for_a_user_whose_history_matches_i
         reply = AdminStub(ch).AddItems(request, timeout=60)
         with pytest.raises(grpc.RpcError) as again:  # the same id twice: it is not the next id any more
             AdminStub(ch).AddItems(request, timeout=60)
-    assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{new_id + 1}" in again.value.details()
+    assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{new_id + 1}" in str(again.value.details())
     assert reply.added == 1 and reply.upserted_rows > 0 and reply.num_items == new_id + 1 and reply.index_version != before.index_version
     after = recommend(stack.address, user, k=400)
     assert after.index_version == reply.index_version and not after.degraded

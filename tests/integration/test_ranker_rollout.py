@@ -74,7 +74,7 @@ def test_reload_models_switches_versions_under_traffic_without_failing_a_call(ro
         # A version the directory does not hold: refused, naming both.
         with pytest.raises(grpc.RpcError) as wrong:
             admin.ReloadModels(admin_pb2.ReloadModelsRequest(models_dir=str(world.other_models), model_version="m-000000000000", admin_token=TOKEN), timeout=60)
-        assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION and new in wrong.value.details()
+        assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION and new in str(wrong.value.details())
 
         thread = threading.Thread(target=traffic)
         thread.start()

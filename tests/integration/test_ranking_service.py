@@ -191,7 +191,7 @@ def test_50_concurrent_calls_run_as_at_most_8_forwards_and_8_lookup_windows(serv
 def _code(call: Any) -> tuple[grpc.StatusCode, str]:
     with pytest.raises(grpc.RpcError) as info:
         call()
-    return info.value.code(), info.value.details()
+    return info.value.code(), str(info.value.details())
 
 
 def test_bad_requests_get_statuses_naming_the_field_and_the_server_keeps_serving(served: Served) -> None:

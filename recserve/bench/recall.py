@@ -50,16 +50,10 @@ from typing import Any
 
 import numpy as np
 
+from recserve.bench.recall_calls import TOP, WARMUP_DEADLINE_S, served_calls, traced_calls
+
 GOAL_RECALL = 0.95
-TOP = 10  # ground truth and final sizes compared
 REFERENCE_POOL = 100  # exhaustive DLRM's top-100 feeds the L3 reference
-# Warm-up calls get at least this deadline. A cold process's first calls (channel connects,
-# the rankers' first forwards) take 10-100x a warm one's; the stage cost models learn
-# from them, and with a tight deadline every stage would then skip (a skip measures
-# nothing) until probe_after_skips. With room to run, the EWMA forgets those first
-# samples within --warmup calls, and the measured calls see a warm server's models.
-WARMUP_DEADLINE_S = 2.0
-L3_CHECK_USERS = 20
 
 
 def _speedup_goal(items: int) -> float:
@@ -72,16 +66,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of item popularity when generating (default 1.05)")
     p.add_argument("--queries", type=int, default=200, help="sampled users measured (default 200)")
     p.add_argument("--warmup", type=int, default=50,
-                   help="Recommend calls before measuring, on other users, with a deadline of at least WARMUP_DEADLINE_S: a long-running server's "
-                        "warm stage cost models (default 50)")  # fmt: skip
+                   help=f"Recommend calls before measuring, on other users, with a deadline of at least {WARMUP_DEADLINE_S:g} s, so the stage "
+                        "cost models are a long-running server's (default 50)")  # fmt: skip
     p.add_argument("--torch-threads", type=int, default=1, help="torch threads of the in-process exhaustive DLRM (default 1: two spin against the other processes on a busy 2-core box)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--models", type=Path, default=None, help="reuse this trained export (default: generate and train into OUT)")
     p.add_argument("--catalog", type=Path, default=None, help="the catalog --models was trained on (default: MODELS/../catalog)")
     p.add_argument("--train-rows", type=int, default=0, help="training rows per epoch and model when training (default 0 = all)")
     p.add_argument("--deadline-ms", type=float, default=0.0, help="each Recommend's deadline (default 0 = the spec's cascade.default_deadline_ms)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="a [cascade] key of the spec, TOML value (e.g. nprobe=64, index_factory='\"HNSW32\"'); repeatable")  # fmt: skip
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="[SECTION.]KEY=VALUE",
+                   help="a spec key (section default: cascade), TOML value, e.g. nprobe=64, index_factory='\"HNSW32\"', "
+                        "topology.rankers=1; repeatable")  # fmt: skip
     p.add_argument("--knobs", default="1,2,4,8,16,32,64,128,256,512,1024", help="nprobe / efSearch values of the sweep (comma-separated)")
     p.add_argument("--out", type=Path, default=Path("out/bench-recall"), help="catalog, models, index, plot and report go here (default out/bench-recall)")
     p.add_argument("--keep-run", action="store_true", help="keep OUT/run (shard data, logs) after the run")
@@ -132,7 +127,10 @@ def _world(args: argparse.Namespace) -> tuple[Path, Path, dict[str, Any]]:
 
 
 def _spec(models: Path, overrides: list[str], run_dir: Path) -> tuple[Path, Any]:
-    """The export's cluster spec with the ``--set`` [cascade] overrides, parsed."""
+    """The export's cluster spec with the ``--set`` overrides, parsed. A key goes at the
+    top of its section (the spec's parser rejects a key given twice, so an override of
+    a key the export writes, such as ``default_deadline_ms``, fails loudly), or into a
+    new section appended when the export has none."""
     from ranker.spec import cluster_spec_toml
     from recserve.config import loads
 
@@ -140,9 +138,13 @@ def _spec(models: Path, overrides: list[str], run_dir: Path) -> tuple[Path, Any]
     text = cluster_spec_toml(manifest, models, num_shards=2)
     for item in overrides:
         key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise SystemExit(f"--set {item!r} is invalid: use KEY=VALUE with a [cascade] key, e.g. nprobe=64")
-        text = text.replace("[cascade]\n", f"[cascade]\n{key.strip()} = {value.strip()}\n", 1)
+        section, dot, name = key.strip().rpartition(".")
+        section = section if dot else "cascade"
+        if not sep or not name or not section.isidentifier():
+            raise SystemExit(f"--set {item!r} is invalid: use [SECTION.]KEY=VALUE, e.g. nprobe=64 or topology.rankers=1")
+        header = f"[{section}]\n"
+        line = f"{name} = {value.strip()}\n"
+        text = text.replace(header, header + line, 1) if header in text else text + f"\n{header}{line}"
     cluster = loads(text)  # a bad override fails here, naming the field
     path = run_dir / "cluster.toml"
     path.write_text(text)
@@ -213,7 +215,11 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
     from recserve.cluster.stack import ServingStack
 
     tables, _ = tables_and_features(export.manifest)
-    freq = {"dlrm_item": np.asarray(arrays.counts.item[:, 0], dtype=np.float64) + 1.0}
+    # The item table's access frequency: its training-log impressions (rows past the catalog,
+    # headroom for items added later, get the floor of 1).
+    item_rows = next(t.rows for t in tables if t.name == "dlrm_item")
+    freq = {"dlrm_item": np.ones(item_rows, dtype=np.float64)}
+    freq["dlrm_item"][:n] += np.asarray(arrays.counts.item[:, 0], dtype=np.float64)
     plan_tables(list(tables), freq, cluster.sharding, seed=args.seed).plan.save(run_dir / "plan.json")
     deadline_s = (args.deadline_ms or cfg.default_deadline_ms) / 1e3
     try:
@@ -221,8 +227,8 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
             assert stack.rankers is not None
             with CascadeCluster(spec_path, models, stack.rankers.addresses, stack.shards.client_addresses, data_root=run_dir / "cascade",
                                 extra_args=["--index", str(run_dir / "index")]) as cascade:  # fmt: skip
-                served = _served(cascade.address, warm_users, users, deadline_s)
-                traced = asyncio.run(_traced(cluster, view, index, stack.rankers.addresses, warm_users, users, deadline_s, exhaustive, reference))
+                served = served_calls(cascade.address, warm_users, users, deadline_s)
+                traced = asyncio.run(traced_calls(cluster, view, index, stack.rankers.addresses, warm_users, users, deadline_s, exhaustive, reference))
     finally:
         if not args.keep_run:
             shutil.rmtree(run_dir / "shards", ignore_errors=True)
@@ -313,100 +319,6 @@ def _lost_at(wanted: np.ndarray, stages: dict[str, np.ndarray], exact_l0: np.nda
         alive &= present[s]
     out["kept_but_outranked"] = int(alive.sum())
     return out
-
-
-def _served(address: str, warm_users: np.ndarray, users: np.ndarray, deadline_s: float) -> dict[str, Any]:
-    """Sequential Recommend calls over gRPC: per-call ms, the items, stage timings."""
-    import grpc
-
-    from recserve.rpc.deadline import make_header
-    from recserve.rpc.tensors import unpack
-    from recserve.v1 import recommender_pb2
-    from recserve.v1.recommender_pb2_grpc import RecommenderStub
-
-    items = np.full((users.size, TOP), -1, dtype=np.int64)
-    ms = np.empty(users.size)
-    stage_ms: dict[str, list[float]] = {}
-    reasons: dict[str, int] = {}
-    degraded = failed = 0
-    with grpc.insecure_channel(address) as channel:
-        stub = RecommenderStub(channel)
-
-        def call(user: int, timeout_s: float) -> Any:
-            req = recommender_pb2.RecommendRequest(header=make_header(timeout_s=timeout_s), user_id=user, k=TOP)
-            return stub.Recommend(req, timeout=timeout_s)
-
-        for user in warm_users.tolist():  # warm-up: channels, shard caches, cost models (see WARMUP_DEADLINE_S)
-            call(int(user), max(deadline_s, WARMUP_DEADLINE_S))
-        for i, user in enumerate(users.tolist()):  # sequential and unloaded: one call at a time
-            t0 = time.perf_counter()
-            try:
-                resp = call(int(user), deadline_s)
-            except grpc.RpcError as exc:  # counted; its time (about the deadline) stays in the percentiles
-                ms[i] = (time.perf_counter() - t0) * 1e3
-                code = exc.code().name if isinstance(exc, grpc.Call) else "UNKNOWN"
-                reasons[f"error:{code}"] = reasons.get(f"error:{code}", 0) + 1
-                failed += 1
-                continue
-            ms[i] = (time.perf_counter() - t0) * 1e3
-            got = unpack(resp.item_ids, "item_ids")
-            items[i, : got.size] = got[:TOP]
-            degraded += int(resp.degraded)
-            for s in resp.stages:
-                stage_ms.setdefault(s.stage, []).append(s.elapsed_ms)
-                if s.degraded:
-                    reasons[f"{s.stage}:{s.degraded_reason}"] = reasons.get(f"{s.stage}:{s.degraded_reason}", 0) + 1
-    _log(f"served: p50 {np.percentile(ms, 50):.1f} ms, p99 {np.percentile(ms, 99):.1f} ms over {users.size} sequential Recommend calls; {degraded} degraded, {failed} failed")
-    return {"ms": ms, "items": items, "degraded": degraded, "failed": failed, "reasons": reasons,
-            "stage_ms_p50": {s: float(np.percentile(v, 50)) for s, v in stage_ms.items()}}  # fmt: skip
-
-
-async def _traced(cluster: Any, view: Any, index: Any, rankers: list[str], warm_users: np.ndarray, users: np.ndarray, deadline_s: float,
-                  exhaustive: np.ndarray, reference: np.ndarray) -> dict[str, Any]:  # fmt: skip
-    """Each stage's output for every user, from an in-process CascadeCore on the same
-    index and rankers: ``stages`` name -> ``[B, n_stage]`` int64 (-1 padded where a stage
-    output fewer); ``l0_degraded`` ``[B]`` bool; ``reasons`` degraded stage counts;
-    ``ran_ms_p50`` each stage's p50 elapsed over the requests where it was not skipped;
-    ``served_l3_vs_reference``: the served ``Rank(model="l3")`` over exhaustive DLRM's
-    top-100 (``exhaustive`` ``[B, 100]``) against the in-process ``reference`` top-10, on
-    up to :data:`L3_CHECK_USERS` users (1.0 = the reference is what the rankers compute)."""
-    from cascade.budget import Stage, stage_sizes_for
-    from cascade.index import IndexHolder
-    from cascade.service import CascadeCore
-    from recserve.client import RankingClient
-
-    client = RankingClient(rankers, cluster.routing)
-    await client.start()
-    core = CascadeCore(cluster.cascade, view, IndexHolder(index), client)
-    sizes = stage_sizes_for(cluster.cascade, view.num_items, TOP)
-    out = {s: np.full((users.size, sizes.out(s)), -1, dtype=np.int64) for s in Stage}
-    empty = np.zeros(0, dtype=np.int64)
-    l0_degraded = np.zeros(users.size, dtype=bool)
-    reasons: dict[str, int] = {}
-    ran_ms: dict[str, list[float]] = {}
-    try:
-        for i, user in enumerate([*warm_users.tolist(), *users.tolist()]):  # sequential, like the served pass
-            trace: dict[Stage, np.ndarray] = {}
-            j = i - warm_users.size
-            q = core.query(int(user), TOP, empty, empty, deadline=time.monotonic() + (deadline_s if j >= 0 else max(deadline_s, WARMUP_DEADLINE_S)))
-            rec = await core.recommend(q, trace=trace)
-            if j >= 0:
-                for s, ids in trace.items():
-                    out[s][j, : min(ids.size, out[s].shape[1])] = ids[: out[s].shape[1]]
-                for r in rec.reports:  # four stages
-                    if r.degraded:
-                        reasons[f"{r.stage}:{r.degraded_reason.value}"] = reasons.get(f"{r.stage}:{r.degraded_reason.value}", 0) + 1
-                    if r.scored > 0:
-                        ran_ms.setdefault(r.stage, []).append(r.elapsed_ms)
-                l0_degraded[j] = rec.reports[0].degraded
-        l3_hits = []
-        for j in range(min(L3_CHECK_USERS, users.size)):  # a few RPCs: is the in-process reference what the rankers compute?
-            res = await client.rank(int(users[j]), exhaustive[j], model="l3", timeout_s=10.0)
-            l3_hits.append(float(np.isin(reference[j], np.asarray(res.item_ids)[:TOP]).mean()))
-    finally:
-        await core.aclose()
-    return {"stages": {s.name: a for s, a in out.items()}, "l0_degraded": l0_degraded, "reasons": reasons, "served_l3_vs_reference": float(np.mean(l3_hits)),
-            "ran_ms_p50": {s: float(np.percentile(v, 50)) for s, v in ran_ms.items()}}  # fmt: skip
 
 
 def format_report(r: dict[str, Any]) -> str:

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from recserve.bench import rank as bench
+from recserve.bench import rank_report
 from recserve.bench.rank_costs import ForwardCost, batching_cap, fit_line, measure_forward_cost
 from recserve.errors import ConfigError
 
@@ -48,9 +49,9 @@ def test_batching_cap_is_the_documented_formula() -> None:
 def test_system_cost_solves_the_two_closed_loop_points() -> None:
     # 50 req/s unbatched (20 ms each), 200 req/s in batches of 5 (5 ms each):
     # F + v = 20 and F / 5 + v = 5 -> F = 18.75 ms per batch, v = 1.25 ms per request.
-    sc = bench.system_cost(50.0, 200.0, 5.0)
+    sc = rank_report.system_cost(50.0, 200.0, 5.0)
     assert sc is not None and sc["per_batch_ms"] == pytest.approx(18.75) and sc["per_request_ms"] == pytest.approx(1.25)
-    assert bench.system_cost(50.0, 200.0, 1.0) is None and bench.system_cost(None, 200.0, 5.0) is None
+    assert rank_report.system_cost(50.0, 200.0, 1.0) is None and rank_report.system_cost(None, 200.0, 5.0) is None
 
 
 def test_forward_cost_of_a_real_dlrm_grows_with_the_batch() -> None:
@@ -110,10 +111,10 @@ def test_bench_rank_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     finally:
         torch.set_num_threads(threads)
     r = json.loads(capsys.readouterr().out)
-    assert set(r["configs"]) == set(bench.CONFIGS)
+    assert set(r["configs"]) == set(rank_report.CONFIGS)
     for name, k in r["configs"].items():
         assert k["probes"], name
-        assert k["rankers"] == bench.CONFIGS[name][1]
+        assert k["rankers"] == rank_report.CONFIGS[name][1]
         for p in k["probes"]:
             assert p["requests"] > 0 and p["ok"] + p["late"] + p["degraded"] + p["shed"] + p["failed"] == p["requests"], p
             assert p["forwards"] > 0 and len(p["requests_by_ranker"]) == k["rankers"]
@@ -138,8 +139,8 @@ def test_bench_rank_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     if b is not None:
         per = fc["per_candidate_us"] * 1e-3 * 100
         assert r["theoretical_batching_cap"] == pytest.approx((max(fc["fixed_ms"], 0) + per) / (max(fc["fixed_ms"], 0) / b + per))
-    table = bench.format_report(r)
-    assert all(label in table for label in bench.LABELS.values()) and "batching gain" in table
+    table = rank_report.format_report(r)
+    assert all(label in table for label in rank_report.LABELS.values()) and "batching gain" in table
     assert r["plot"] == str(plot)
     width, height = png_size(plot)
     assert width > 500 and height > 300

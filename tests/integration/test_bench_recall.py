@@ -35,17 +35,18 @@ def test_bench_recall_json_report_agrees_with_its_oracles(tmp_path: Path, capsys
     recall.add_arguments(parser)
     args = parser.parse_args([
         "--models", str(tmp_path / "models"), "--catalog", str(tmp_path / "catalog"), "--out", str(tmp_path / "out"), "--json",
-        "--queries", "12", "--warmup", "3", "--deadline-ms", "5000", "--knobs", "1,16",
+        "--queries", "8", "--warmup", "2", "--deadline-ms", "5000", "--knobs", "1,16", "--set", "topology.rankers=1",
         "--set", 'index_factory="IVF16,Flat"', "--set", f"l0_out={ITEMS}", "--set", f"l1_out={ITEMS}",
     ])  # fmt: skip
     assert recall.run(args) == 0
     report = json.loads(capsys.readouterr().out)
 
-    assert report["config"]["stage_sizes"] == [ITEMS, ITEMS, 100, 10]
+    assert report["config"]["stage_sizes"] == [ITEMS, ITEMS, 100, 10] and report["config"]["rankers"] == 1
     assert report["exhaustive_check_max_abs_diff"] < 1e-4
     # Every stage ran in full (a generous deadline), served and in-process alike.
     assert report["degraded_responses"] == 0 and report["failed_responses"] == 0, report["degraded_reasons"]
     assert report["served_vs_inprocess_overlap"] >= 0.9
+    assert report["served_l3_vs_reference"] >= 0.9  # the in-process L3 reference is what the rankers compute
     # L2 ranked the whole unseen catalog: its top-10 is exhaustive DLRM's (shard rows vs
     # in-process rows may flip a near tie, no more).
     assert report["l2_recall_vs_exhaustive"] >= 0.9, report["lost_at"]

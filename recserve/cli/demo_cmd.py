@@ -62,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
     item_table = item_tables[0]
     with tempfile.TemporaryDirectory(prefix="recserve-demo-") as tmp:
         root = args.out if args.out is not None else Path(tmp)
-        cfg = CatalogConfig(items=item_table.rows, users=args.users, seed=args.seed, impressions=20 * args.users)
+        from ranker.export import NEW_ITEM_ROWS
+
+        # The item tables hold the catalog plus the rows the export reserves for new items.
+        cfg = CatalogConfig(items=item_table.rows - NEW_ITEM_ROWS, users=args.users, seed=args.seed, impressions=20 * args.users)
         catalog = generate_catalog(cfg, out_dir=root / "catalog", progress=True)
         print("== catalog ==")
         print(format_summary(summarize(catalog)))

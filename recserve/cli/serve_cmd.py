@@ -188,6 +188,9 @@ def _cached_catalog(directory: Path, spec_text: str) -> Path:
         from recserve.errors import ConfigError
 
         raise ConfigError(f"recserve serve sizes its catalog from a table named 'dlrm_item'; the spec declares {sorted(rows)}: add it, or pass --catalog/--models")
+    from ranker.export import NEW_ITEM_ROWS
+
+    sizes["items"] -= NEW_ITEM_ROWS  # the item tables hold the catalog plus the rows reserved for new items
     fields = {k: v for k, v in sizes.items() if v is not None}
     users = fields.get("users", CatalogConfig().users)
     config = CatalogConfig(**fields, impressions=20 * users)  # 20 impressions a user, as the default catalog

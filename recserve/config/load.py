@@ -45,7 +45,7 @@ pooling = "mean"
 
 [[tables]]
 name = "dlrm_item"
-rows = 100000
+rows = 101024  # 100,000 catalog items + 1,024 rows reserved for items added later
 dim = 32
 pooling = "mean"
 
@@ -69,7 +69,7 @@ pooling = "mean"
 
 [[tables]]
 name = "tt_item"
-rows = 100000
+rows = 101024  # 100,000 catalog items + 1,024 rows reserved for items added later
 dim = 16
 pooling = "mean"
 
@@ -81,7 +81,7 @@ pooling = "mean"
 
 [[tables]]
 name = "l3_item"
-rows = 100000
+rows = 101024  # 100,000 catalog items + 1,024 rows reserved for items added later
 dim = 16
 pooling = "mean"
 

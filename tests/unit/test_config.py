@@ -161,3 +161,10 @@ def test_the_cascade_never_sends_a_ranker_more_candidates_than_it_takes() -> Non
     with pytest.raises(ConfigError) as err:
         dataclasses.replace(base, ranker=dataclasses.replace(base.ranker, max_candidates=512, max_batch_candidates=4096))
     assert "cascade.l1_out / cascade.max_k = 1000" in str(err.value) and "ranker.max_candidates (512)" in str(err.value)
+
+
+def test_the_default_item_tables_hold_the_catalog_plus_the_exports_reserved_rows() -> None:
+    from ranker.export import NEW_ITEM_ROWS
+
+    rows = {t.name: t.rows for t in default_config().tables}
+    assert rows["dlrm_item"] == rows["tt_item"] == rows["l3_item"] == 100_000 + NEW_ITEM_ROWS == rows["dlrm_user"] + NEW_ITEM_ROWS

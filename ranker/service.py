@@ -184,7 +184,8 @@ class RankingCore:
         rc = self.config
         for name in rc.models:
             if rc.batching:
-                dyn = DynamicBatchConfig(max_batch_cost=rc.max_batch_candidates, max_wait_ms=rc.max_wait_ms, slo_ms=rc.slo_ms)
+                # The SLO controller may shrink batches, never below one whole request.
+                dyn = DynamicBatchConfig(max_batch_cost=rc.max_batch_candidates, max_wait_ms=rc.max_wait_ms, slo_ms=rc.slo_ms, min_batch_cost=rc.max_candidates)
             else:  # one request per forward: every request costs the whole cap
                 dyn = DynamicBatchConfig(max_batch_cost=1.0, max_wait_ms=0.0, adaptive=False)
             loop = ServingLoop(Scheduler(DynamicBatchPolicy(dyn)), self._run, rc.max_inflight_batches, name=f"rank-{name}")

@@ -7,7 +7,7 @@ The window (reference §10.6.8, traffic-adaptive batching) is
 where the arrival rate is an EWMA in cost units per second and ``s`` is the SLO
 controller's scale (1.0 without an SLO). High traffic fills the target quickly, so the
 window shrinks; low traffic is capped at ``max_wait``. The cost cap is
-``max_batch_cost · s``: when p99 (queue + service) nears the SLO the controller shrinks
+``max(min_batch_cost, max_batch_cost · s)``: when p99 (queue + service) nears the SLO the controller shrinks
 both, and grows them back when p99 is far below (see :mod:`recserve.scheduling.slo`).
 """
 
@@ -35,6 +35,11 @@ class DynamicBatchConfig:
     adaptive: bool = True
     slo_ms: float | None = None
     target_batch_cost: float | None = None
+    # The cap never shrinks below this (e.g. the largest single request): a cap under one
+    # request leaves every batch a single oversized item, i.e. unbatched, exactly when
+    # overload needs batching most (measured by `recserve bench rank`: the controller
+    # drove 0.05 x 8,192 = 410 candidates < one 500-candidate request and never recovered).
+    min_batch_cost: float = 0.0
     rate_tau_s: float = 0.25
     dispatch_margin_ms: float = 0.5
     slo_control: SloControlConfig = SloControlConfig()
@@ -45,6 +50,8 @@ class DynamicBatchConfig:
         require(self.slo_ms is None or self.slo_ms > 0, "dynamic_batch.slo_ms", self.slo_ms, "use a positive SLO in ms, or None to disable")
         require(self.target_batch_cost is None or 0 < self.target_batch_cost <= self.max_batch_cost,
                 "dynamic_batch.target_batch_cost", self.target_batch_cost, f"use 0 < target <= max_batch_cost ({self.max_batch_cost:g})")
+        require(0 <= self.min_batch_cost <= self.max_batch_cost, "dynamic_batch.min_batch_cost", self.min_batch_cost,
+                f"use 0..max_batch_cost ({self.max_batch_cost:g})")
         require(self.rate_tau_s > 0, "dynamic_batch.rate_tau_s", self.rate_tau_s, "use a positive time constant in seconds")
         require(self.dispatch_margin_ms >= 0, "dynamic_batch.dispatch_margin_ms", self.dispatch_margin_ms, "use >= 0 ms")
 
@@ -68,7 +75,7 @@ class DynamicBatchPolicy(WindowPolicy):
         return self.controller.scale if self.controller is not None else 1.0
 
     def cap(self) -> float:
-        return self.config.max_batch_cost * self.scale
+        return max(self.config.min_batch_cost, self.config.max_batch_cost * self.scale)
 
     def window_s(self) -> float:
         max_wait = self._max_wait_s * self.scale

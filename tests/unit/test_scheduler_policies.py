@@ -225,3 +225,19 @@ def test_policy_configs_are_validated_with_the_bad_value_in_the_message() -> Non
         DynamicBatchConfig(max_batch_cost=8, max_wait_ms=1, target_batch_cost=9)
     with pytest.raises(ConfigError, match="window_ms"):
         FeatureParallelConfig(window_ms=-1)
+
+
+def test_the_slo_controller_never_shrinks_the_cap_below_min_batch_cost() -> None:
+    """A cap under one request would leave every batch one oversized item (unbatched)."""
+    slo = SloControlConfig(period_s=1.0, min_samples=5)
+    sched = dynamic(max_batch_cost=100, max_wait_ms=10.0, slo_ms=50.0, slo_control=slo, min_batch_cost=40)
+    policy = sched.policy
+    assert isinstance(policy, DynamicBatchPolicy)
+    now = 0.0
+    for _ in range(2000):  # p99 far above the SLO for 20 periods: the scale falls to its floor
+        sched.add(item(cost=1), now)
+        batch = sched.schedule(now + 0.010)
+        assert batch is not None
+        sched.complete(batch, [Done(None)], now + 0.080)
+        now += 0.010
+    assert policy.scale * 100 < 40 and policy.cap() == 40

@@ -125,6 +125,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lo-rps", type=float, default=10.0, help="knee search: lowest offered rate (default 10/s)")
     p.add_argument("--hi-rps", type=float, default=1_000.0, help="knee search: highest offered rate (default 1000/s)")
     p.add_argument("--tolerance", type=float, default=0.05, help="knee search: stop when the bracket is within this ratio (default 0.05)")
+    p.add_argument("--fail-retries", type=int, default=1,
+                   help="knee search: re-probe a failed rate this many times; it fails only if every try fails (default 1: on a shared box one "
+                        "tail event from another tenant must not set the knee; every config gets the same rule)")
     p.add_argument("--cost-sizes", type=_sizes, default=(1, 16, 128, 500, 1000, 2000, 4000, 8000), help="pairs per timed forward (default 1,16,...,8000)")
     p.add_argument("--cost-repeats", type=int, default=7, help="timed forwards per size (median; default 7)")
     p.add_argument("--seed", type=int, default=0)
@@ -145,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--candidates = {args.candidates} is invalid: draw at most --items ({args.items:,}) distinct items per request")
     from recserve.bench.knee import KneeSearch
 
-    KneeSearch(lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance)  # bad search flags fail now, not minutes in
+    KneeSearch(lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance, fail_retries=args.fail_retries)  # bad search flags fail now, not minutes in
     import torch
 
     torch.set_num_threads(1)  # the shards and rankers share the cores; one torch thread here
@@ -490,7 +493,7 @@ async def knee_of(name: str, addresses: Sequence[str], world: World, args: argpa
         return None
 
     await session(args.warmup_requests, nothing)
-    found = await find_knee_async(run, lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance)
+    found = await find_knee_async(run, lo_rps=args.lo_rps, hi_rps=args.hi_rps, tolerance=args.tolerance, fail_retries=args.fail_retries)
     saturation = None
     if args.saturation_seconds > 0:
         await fresh()

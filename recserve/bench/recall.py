@@ -3,9 +3,12 @@
 The world: a synthetic catalog (``--items``, ``--users``, ``--zipf``, ``--seed``) and the
 three models trained on its scrubbed view and exported (``ranker.pipeline``), or an
 existing export (``--models DIR`` with its ``--catalog DIR``). The cluster spec is the
-export's own (default ``CascadeConfig``; ``--set KEY=VALUE`` overrides ``[cascade]``
-keys to measure another setting). The L0 index is built once here (progress bar) and
-saved, so the served cascade (``--index``) and the in-process one search the same index.
+export's own (default ``CascadeConfig``; ``--set [SECTION.]KEY=VALUE`` overrides a key,
+section ``cascade`` by default, to measure another setting; ``config.default_config``
+says whether any was given). The L0 index is built once here (progress bar) and saved,
+so the served cascade (``--index``) and the in-process one search the same index. Every
+Recommend carries ``--deadline-ms`` (default: ``cascade.default_deadline_ms``); the
+warm-up calls get more (:mod:`recserve.bench.recall_calls`).
 
 Measured over ``--queries`` sampled users (figures are means over them):
 
@@ -29,6 +32,10 @@ Measured over ``--queries`` sampled users (figures are means over them):
   ``L0_two_tower``: not even in the exact top-k0);
 * ``sweep``: L0 recall@k0 against per-query search time over nprobe / efSearch values
   (:mod:`recserve.bench.recall_sweep`), and its PNG (``OUT/recall_curve.png``).
+
+The report also goes to ``OUT/recall.json``, and every id matrix behind it (users, truth,
+exhaustive top-100, reference, exact top-k0, each stage's output) to ``OUT/traces.npz``
+for offline analysis, e.g. what another L1 size would have kept.
 
 Goals (issue 12), all at the default CascadeConfig: the three recalls >= 0.95, and
 ``speedup`` >= 20 at 200k items (>= 100 at 1M). Human table, or one JSON object with
@@ -244,7 +251,7 @@ def _run(args: argparse.Namespace, knobs: tuple[int, ...]) -> dict[str, Any]:
         "config": {"items": n, "users": arrays.num_users, "queries": int(users.size), "seed": args.seed, "models": str(models), "catalog": str(catalog_dir),
                    "model_version": export.model_version, "index": index.factory, "index_knob": index.knob.value, "index_knob_default": index.default_knob(sizes.l0),
                    "stage_sizes": [sizes.l0, sizes.l1, sizes.l2, sizes.l3], "deadline_ms": deadline_s * 1e3, "rankers": cluster.topology.rankers,
-                   "overrides": list(args.overrides), "torch_threads": torch.get_num_threads(), **times},  # fmt: skip
+                   "overrides": list(args.overrides), "default_config": not args.overrides, "torch_threads": torch.get_num_threads(), **times},  # fmt: skip
         "l0_recall_vs_exact": l0_recall,
         "stage_recall": {name: float(overlap_fraction(ids, truth).mean()) for name, ids in stages.items()},
         "l2_recall_vs_exhaustive": float(overlap_fraction(l2_top, exhaustive_top).mean()),
@@ -326,6 +333,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"recserve bench recall: {c['items']:,} items, {c['queries']} users, index {c['index']} ({c['index_knob']} {c['index_knob_default']}), "
         f"stages {' -> '.join(f'{s:,}' for s in c['stage_sizes'])}, deadline {c['deadline_ms']:g} ms, {c['rankers']} rankers",
+        "default CascadeConfig" if c["default_config"] else f"overrides (not the default config): {' '.join(c['overrides'])}",
         "",
         f"{'metric':<28} {'value':>10} {'goal':>8}  met",
     ]

@@ -176,3 +176,24 @@ def test_max_probes_stops_the_bisection_and_says_so() -> None:
     failing = min(p.rate_per_s for p in result.probes if p.passed is False)
     assert result.knee_per_s is not None and result.knee_per_s <= 950.0 < failing
     assert failing > result.knee_per_s * 1.05  # not converged: the reason says how wide
+
+
+def test_a_single_failed_probe_does_not_set_the_knee_with_fail_retries() -> None:
+    """One tail event on the first probe at 1,000/s (the system's capacity): without
+    retries 1,000/s counts as failed and the knee lands below it; with one retry the rate is probed again, passes,
+    and the knee is the real capacity."""
+    seen: dict[float, int] = {}
+    good = step_system(1000.0)
+
+    def flaky(rate: float) -> ProbeResult:
+        seen[rate] = seen.get(rate, 0) + 1
+        if rate == 1000.0 and seen[rate] == 1:  # the first probe at the capacity hits a stall
+            return ProbeResult(offered_per_s=rate, achieved_per_s=rate, requests=100, ok=50, late=50)
+        return good(rate)
+
+    strict = find_knee(flaky, lo_rps=100.0, hi_rps=10_000.0)
+    seen.clear()
+    lenient = find_knee(flaky, lo_rps=100.0, hi_rps=10_000.0, fail_retries=1)
+    assert strict.knee_per_s is not None and lenient.knee_per_s is not None
+    assert strict.knee_per_s < 1000.0 == lenient.knee_per_s and "1,000/s did not" in strict.reason
+    assert seen[1000.0] == 2  # the failed rate was probed twice

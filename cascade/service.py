@@ -4,7 +4,7 @@
 Stages, each planned by :class:`~cascade.budget.StagePlanner` (RUN, SHRINK to the
 best-scored prefix that fits, or SKIP so the previous order passes through):
 
-- **L0** (this process): the user vector from ``Ranking.EmbedUser`` (with the request's
+- **L0** (this process; never skipped for its budget, see :meth:`CascadeCore._l0`): the user vector from ``Ranking.EmbedUser`` (with the request's
   ``recent_item_ids`` as extra history), an approximate FAISS search
   (:mod:`cascade.index`), merged with popular items of the user's recent categories
   (:mod:`cascade.sources`); the request's ``exclude_ids``, its recent items and the
@@ -184,6 +184,13 @@ class CascadeCore:
                   reports: list[StageReport]) -> tuple[_Order, np.ndarray | None, str, bool]:  # fmt: skip
         t0 = self.clock()
         decision = self.planner.plan(budget, Stage.L0, n_out, t0)
+        if decision.kind is DecisionKind.SKIP and budget.remaining_s(t0) > 0:
+            # L0 is never skipped for its budget: without a user vector every later stage
+            # has only popular items to work on (`recserve bench recall` at 100 ms: 943 of
+            # 946 L2 misses came from skipped L0s, whose share is smaller than the EmbedUser
+            # RPC inside it). It may run into the later stages' time, bounded by the
+            # request's reply-by time; they then shrink or skip and pass L1's order on.
+            decision = dataclasses.replace(decision, kind=DecisionKind.RUN, n_run=n_out, deadline_s=budget.reply_by_s, predicted_s=0.0)
         index = self.index.current  # one index for the whole request, whatever a refresh does meanwhile
         reason = DegradedReason.NONE
         vector: np.ndarray | None = None

@@ -332,7 +332,7 @@ class CascadeConfig:
     cost_quantile: float = 0.9
     cost_prior_fixed_ms: tuple[float, float, float, float] = (2.0, 1.0, 5.0, 5.0)
     cost_prior_per_item_us: tuple[float, float, float, float] = (0.5, 1.0, 20.0, 100.0)
-    probe_after_skips: int = 50
+    probe_after_skips: int = 5  # 50 kept a stage skipped after one cold sample for 50 requests (bench recall)
     # L0: the index (validated by cascade/index.py, which knows faiss) and the popular source.
     index_factory: str = "auto"  # "auto" | "Flat" | "IVF{n},Flat" | "IVF{n},PQ{m}" | "HNSW{M}"
     nprobe: int = 0  # 0 = the index's default (or what the stage budget allows)

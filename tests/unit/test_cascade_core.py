@@ -7,6 +7,7 @@ The oracle for L1 is numpy over the same vectors; for L0, faiss IndexFlatIP."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,16 @@ def test_a_shrunk_l0_scans_proportionally_fewer_lists() -> None:
     assert _knobs(ivf, 300, run_all) == (None, None)  # the index's own knob
     assert _knobs(ivf, 300, half) == (8, None)
     assert _knobs(flat, 300, half) == (None, None)  # exact: nothing to tune
+
+
+def test_l0_is_never_skipped_for_its_budget() -> None:
+    """A cost model that predicts L0 far over its share (a cold first sample) must not
+    leave the request with popular items only: L0 runs anyway, and L1 gets a user vector."""
+    rng = np.random.default_rng(5)
+    c, _, _ = core(rng)
+    c.planner = type(c.planner)(dataclasses.replace(c.config, cost_prior_fixed_ms=(5_000.0, 1.0, 1.0, 1.0), default_deadline_ms=2_000.0))
+    q = c.query(1, 10, np.zeros(0, np.int64), np.zeros(0, np.int64), deadline=c.clock() + 2.0)
+    res = asyncio.run(c.recommend(q))
+    l0, l1 = res.reports[0], res.reports[1]
+    assert l0.degraded_reason.value == "" and l0.scored > 0
+    assert l1.scored > 0 and l1.degraded_reason.value != "cold_start"

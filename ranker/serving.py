@@ -114,7 +114,7 @@ def load_model(export: Export, name: str, *, device: str = "auto", with_tables: 
             if table in shard:
                 if with_tables:
                     # Item tables carry the export's new-item rows past the trained ones.
-                    weight.copy_(torch.from_numpy(np.load(export.path / "embeddings" / f"{table}.npy", mmap_mode="r")[: weight.shape[0]]))
+                    weight.copy_(torch.from_numpy(np.array(np.load(export.path / "embeddings" / f"{table}.npy", mmap_mode="r")[: weight.shape[0]])))
                 else:
                     weight.zero_()
     model.eval()

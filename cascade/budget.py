@@ -86,8 +86,9 @@ def stage_sizes_for(config: CascadeConfig, num_items: int, k: int = 0) -> StageS
     Table 28 scaled (see :class:`CascadeConfig`): L0 = ``l0_out`` or ``l0_fraction`` of
     the catalog, L1..L3 = ``l1_out``, ``l2_out``, k. Each stage keeps at least as many as
     the next one needs (a k above ``l2_out`` widens L2, and so on up) and none more than
-    the catalog. E.g. the defaults give 10,000 / 1,000 / 100 / 10 at 1M items, 2,000 /
-    1,000 / 100 / 10 at 200k, and 500 / 500 / 100 / 10 at 500.
+    the catalog. E.g. Table 28's sizes (``l1_out`` 1,000) give 10,000 / 1,000 / 100 / 10 at
+    1M items, 2,000 / 1,000 / 100 / 10 at 200k, and 500 / 500 / 100 / 10 at 500; the
+    default ``l1_out`` of 2,000 gives 10,000 / 2,000 / 100 / 10 at 1M.
     """
     require(num_items > 0, "num_items", num_items, "index at least one item")
     k_eff = resolve_k(config, k, num_items)

@@ -167,10 +167,10 @@ models = ["dlrm", "two_tower", "l3"]
 models_dir = "models"
 
 [cascade]
-# Stage sizes (reference Table 28): L0 keeps 1% of the catalog (l0_out = 0 = auto),
-# then 1,000 -> 100 -> 10 (l3_out is the default k).
+# Stage sizes (reference Table 28, L1 doubled: see CascadeConfig.l1_out): L0 keeps 1% of
+# the catalog (l0_out = 0 = auto), at least L1's 2,000, then 2,000 -> 100 -> 10 (l3_out is the default k).
 l0_out = 0
-l1_out = 1000
+l1_out = 2000
 l2_out = 100
 l3_out = 10
 default_deadline_ms = 100.0

@@ -38,7 +38,7 @@ TINY = TrainConfig(
     max_rows=2048,
     progress=False,
 )
-MAX_CANDIDATES = 1024  # >= the default cascade.l1_out and max_k (1,000): L2 sends that many
+MAX_CANDIDATES = 2048  # >= the default cascade.l1_out (2,000) and max_k (1,000): L2 sends that many
 RANKER_SECTION = f"""[ranker]
 device = "cpu"
 threads = 1

@@ -210,7 +210,7 @@ def test_a_stage_skipped_for_budget_is_probed_then_learns() -> None:
 
 
 def test_stage_sizes_scale_table_28_to_the_catalog() -> None:
-    cfg = CascadeConfig()
+    cfg = CascadeConfig(l1_out=1_000)  # Table 28's sizes (the default l1_out is 2,000, see CascadeConfig)
     assert dataclasses.astuple(stage_sizes_for(cfg, 1_000_000)) == (10_000, 1_000, 100, 10)
     assert dataclasses.astuple(stage_sizes_for(cfg, 200_000)) == (2_000, 1_000, 100, 10)
     assert dataclasses.astuple(stage_sizes_for(cfg, 500)) == (500, 500, 100, 10)

@@ -116,9 +116,9 @@ def test_configs_are_frozen_and_derivable() -> None:
 @pytest.mark.parametrize(
     "extra, field, value, fix",
     [
-        ("l0_out = 500\n", "cascade.l0_out", "500", "0 (auto from the catalog size) or at least l1_out (1000)"),
+        ("l0_out = 500\n", "cascade.l0_out", "500", "0 (auto from the catalog size) or at least l1_out (2000)"),
         ("l1_out = 50\n", "cascade.l1_out..l3_out", "(50, 100, 10)", "l1_out >= l2_out >= l3_out"),
-        ("l3_out = 0\n", "cascade.l1_out..l3_out", "(1000, 100, 0)", "positive stage sizes"),
+        ("l3_out = 0\n", "cascade.l1_out..l3_out", "(2000, 100, 0)", "positive stage sizes"),
         ("l0_fraction = 0.0\n", "cascade.l0_fraction", "0.0", "fraction of the catalog in (0, 1]"),
         ("max_k = 5\n", "cascade.max_k", "5", "at least l3_out (10)"),
         ("reply_margin_ms = 150\n", "cascade.reply_margin_ms", "150.0", "0..default_deadline_ms (100.0)"),
@@ -149,7 +149,7 @@ def test_bad_cascade_values_name_field_value_and_fix(extra: str, field: str, val
 
 def test_cascade_defaults_and_overrides_parse() -> None:
     cfg = default_config().cascade
-    assert (cfg.l0_out, cfg.l1_out, cfg.l2_out, cfg.l3_out) == (0, 1000, 100, 10)  # l0 auto: 1% of the catalog
+    assert (cfg.l0_out, cfg.l1_out, cfg.l2_out, cfg.l3_out) == (0, 2000, 100, 10)  # l0 auto: 1% of the catalog
     assert (cfg.reply_margin_ms, cfg.default_deadline_ms, cfg.index_factory, cfg.log_path) == (3.0, 100.0, "auto", "")
     c = loads(BASE + '[cascade]\nl0_out = 5000\nreply_margin_ms = 2\ncost_prior_fixed_ms = [1, 1, 4, 4]\nindex_factory = "IVF256,PQ16"\nnprobe = 16\nlog_path = "/tmp/impressions.log"\n').cascade
     assert (c.l0_out, c.reply_margin_ms, c.index_factory, c.nprobe, c.log_path) == (5000, 2.0, "IVF256,PQ16", 16, "/tmp/impressions.log")
@@ -160,7 +160,7 @@ def test_the_cascade_never_sends_a_ranker_more_candidates_than_it_takes() -> Non
     base = default_config()
     with pytest.raises(ConfigError) as err:
         dataclasses.replace(base, ranker=dataclasses.replace(base.ranker, max_candidates=512, max_batch_candidates=4096))
-    assert "cascade.l1_out / cascade.max_k = 1000" in str(err.value) and "ranker.max_candidates (512)" in str(err.value)
+    assert "cascade.l1_out / cascade.max_k = 2000" in str(err.value) and "ranker.max_candidates (512)" in str(err.value)
 
 
 def test_the_default_item_tables_hold_the_catalog_plus_the_exports_reserved_rows() -> None:

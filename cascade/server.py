@@ -17,16 +17,15 @@ import logging
 import time
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from cascade.report import to_proto
 from cascade.service import CascadeCore, RecommendQuery, open_cascade
 from recserve.config.spec import ClusterConfig
-from recserve.errors import PermissionDenied, RecserveError, Unavailable
+from recserve.errors import PermissionDenied, RecserveError
 from recserve.rpc.deadline import context_from_header
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with
-from recserve.rpc.serving import Slot, stop_on_signals, wait_until_serving, write_port_file
+from recserve.rpc.serving import Slot, serve_loaded, wait_until_serving
 from recserve.rpc.tensors import ids_from, pack
 from recserve.v1 import admin_pb2, admin_pb2_grpc, recommender_pb2, recommender_pb2_grpc
 
@@ -123,7 +122,8 @@ async def _load(config: CascadeProcessConfig) -> CascadeCore:
 
 
 async def serve(config: CascadeProcessConfig, stop: asyncio.Event | None = None) -> None:
-    """Run the cascade until ``stop`` is set or SIGTERM / SIGINT arrives."""
+    """Run the cascade until ``stop`` is set or SIGTERM / SIGINT arrives (listening, and
+    NOT_SERVING, while it waits for its rankers and builds its index: :func:`serve_loaded`)."""
     import faiss
 
     # One OpenMP thread: FAISS's pool is process-global, and on a shared 2-core box its
@@ -134,36 +134,12 @@ async def serve(config: CascadeProcessConfig, stop: asyncio.Event | None = None)
     recommender_pb2_grpc.add_RecommenderServicer_to_server(RecommenderServicer(slot), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(slot, config), server)
     health = await add_health_and_reflection(server, [RECOMMENDER_SERVICE, ADMIN_SERVICE])
-    try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
-    except RuntimeError:
-        raise Unavailable(f"cascade: cannot listen on {config.host}:{config.port} (port in use or address not local); pick another --port") from None
-    await server.start()
-    if config.port_file:
-        write_port_file(config.port_file, port)
-    log.info("cascade listening on %s:%d (loading %s)", config.host, port, config.models_dir)
-    stop = stop or asyncio.Event()
-    stop_on_signals(stop)
-    core: CascadeCore | None = None
-    loading = asyncio.ensure_future(_load(config))
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not loading.done():
-            loading.cancel()
-            return
-        core = loading.result()
-        slot.value = core
-        for name in ("", RECOMMENDER_SERVICE, ADMIN_SERVICE):
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+
+    def ready(core: CascadeCore, port: int) -> None:
         log.info("cascade SERVING on %s:%d: index %s, model_version %s", config.host, port, core.index_version, core.view.model_version)
-        await stop.wait()
-    finally:
-        stopping.cancel()
-        await health.enter_graceful_shutdown()
-        await server.stop(GRACE_S)
-        if core is not None:
-            await core.aclose()
+
+    await serve_loaded(server, health, [RECOMMENDER_SERVICE, ADMIN_SERVICE], slot, lambda: _load(config), what="cascade", host=config.host,
+                       port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S)  # fmt: skip
 
 
 __all__ = ["CascadeProcessConfig", "RecommendQuery", "serve"]

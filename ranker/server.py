@@ -27,7 +27,6 @@ from collections.abc import Sequence
 
 import grpc
 import numpy as np
-from grpc_health.v1 import health_pb2
 
 from ranker.batch import QueryKind
 from ranker.serving import versions_from_shard_info
@@ -37,7 +36,7 @@ from recserve.errors import InvalidArgument, PermissionDenied, RecserveError, Un
 from recserve.rpc.deadline import RequestContext, context_from_header
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with, error_from_code
-from recserve.rpc.serving import Slot, stop_on_signals, wait_until_serving, write_port_file
+from recserve.rpc.serving import Slot, serve_loaded, wait_until_serving
 from recserve.rpc.tensors import ids_from, pack
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, embedding_pb2, ranking_pb2, ranking_pb2_grpc
@@ -187,41 +186,17 @@ async def _load(config: RankerProcessConfig) -> RankingCore:
 
 
 async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None) -> None:
-    """Run one ranker until ``stop`` is set or SIGTERM / SIGINT arrives."""
+    """Run one ranker until ``stop`` is set or SIGTERM / SIGINT arrives (listening, and
+    NOT_SERVING, while it waits for its shards and loads: :func:`serve_loaded`)."""
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
     slot: Slot[RankingCore] = Slot("ranker (models and shard tables)")
     ranking_pb2_grpc.add_RankingServicer_to_server(RankingServicer(slot), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(slot, config), server)
-    health = await add_health_and_reflection(server, [RANKING_SERVICE, ADMIN_SERVICE])  # NOT_SERVING until loaded
-    try:
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
-    except RuntimeError:  # grpc's "Failed to bind": a clear error, not a traceback
-        raise Unavailable(f"ranker: cannot listen on {config.host}:{config.port} (port in use or address not local); pick another --port") from None
-    await server.start()
-    if config.port_file:
-        write_port_file(config.port_file, port)
-    log.info("ranker listening on %s:%d (loading models from %s)", config.host, port, config.models_dir)
-    stop = stop or asyncio.Event()
-    stop_on_signals(stop)
-    core: RankingCore | None = None
-    loading = asyncio.ensure_future(_load(config))
-    stopping = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not loading.done():  # SIGTERM while waiting for shards or loading: leave now
-            loading.cancel()
-            return
-        core = loading.result()
+    health = await add_health_and_reflection(server, [RANKING_SERVICE, ADMIN_SERVICE])
+
+    def ready(core: RankingCore, port: int) -> None:
         core.start()
-        slot.value = core
-        models = core.current
-        for name in ("", RANKING_SERVICE, ADMIN_SERVICE):
-            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("ranker SERVING on %s:%d: models %s, model_version %s", config.host, port, list(models.models), models.version)
-        await stop.wait()
-    finally:
-        stopping.cancel()
-        await health.enter_graceful_shutdown()
-        await server.stop(GRACE_S)
-        if core is not None:
-            await core.aclose()
+        log.info("ranker SERVING on %s:%d: models %s, model_version %s", config.host, port, list(core.current.models), core.current.version)
+
+    await serve_loaded(server, health, [RANKING_SERVICE, ADMIN_SERVICE], slot, lambda: _load(config), what="ranker", host=config.host,
+                       port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S)  # fmt: skip

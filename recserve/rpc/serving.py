@@ -1,22 +1,26 @@
 """Pieces every recserve server process shares at its edge: the port file launchers
 read, waiting for dependencies to report SERVING, the slot servicers find their
-core in once loading is done, and SIGTERM / SIGINT handling."""
+core in once loading is done, SIGTERM / SIGINT handling, and :func:`serve_loaded`, the
+listen-first / load / serve / drain life of a process that composes them."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from recserve.errors import Unavailable
+from recserve.rpc.server import Health
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 POLL_S = 0.2
 CHECK_TIMEOUT_S = 10.0
@@ -75,3 +79,70 @@ async def wait_until_serving(addresses: Sequence[str], *, service: str = "", wha
         if time.monotonic() > end:
             raise Unavailable(f"not SERVING after {timeout_s:.0f} s: {'; '.join(waiting)}")
         await asyncio.sleep(POLL_S)
+
+
+class Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+C = TypeVar("C", bound=Closable)
+
+
+async def serve_loaded(
+    server: grpc.aio.Server,
+    health: Health,
+    services: Sequence[str],
+    slot: Slot[C],
+    load: Callable[[], Awaitable[C]],
+    *,
+    what: str,
+    host: str,
+    port: int,
+    port_file: str = "",
+    on_ready: Callable[[C, int], None] | None = None,
+    stop: asyncio.Event | None = None,
+    grace_s: float = 2.0,
+) -> None:
+    """Run a server process whose core takes a while to load, honestly observable:
+
+    1. bind ``host:port`` (a taken port is Unavailable naming it) and start, health still
+       NOT_SERVING (``server`` has its servicers, health and reflection registered);
+       write the bound port to ``port_file``;
+    2. ``load()`` the core, racing ``stop`` (SIGTERM / SIGINT): a stop while loading
+       leaves at once;
+    3. put the core in ``slot``, call ``on_ready(core, port)``, report SERVING for "" and
+       ``services``, and serve until ``stop``;
+    4. health NOT_SERVING (watch streams end), ``grace_s`` for in-flight calls, then
+       ``core.aclose()``.
+    """
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's "Failed to bind": a clear error, not a traceback
+        raise Unavailable(f"{what}: cannot listen on {host}:{port} (port in use or address not local); pick another --port") from None
+    await server.start()
+    if port_file:
+        write_port_file(port_file, bound)
+    log.info("%s listening on %s:%d (loading)", what, host, bound)
+    stop = stop or asyncio.Event()
+    stop_on_signals(stop)
+    core: C | None = None
+    loading = asyncio.ensure_future(load())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():  # stopped while waiting for dependencies or loading
+            loading.cancel()
+            return
+        core = loading.result()
+        slot.value = core
+        if on_ready is not None:
+            on_ready(core, bound)
+        for name in ("", *services):
+            await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await stop.wait()
+    finally:
+        stopping.cancel()
+        await health.enter_graceful_shutdown()
+        await server.stop(grace_s)
+        if core is not None:
+            await core.aclose()

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -22,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from ranker.config import DlrmConfig, L3Config, TrainConfig, TwoTowerConfig
 from ranker.export import export_models
 from ranker.features import dense_features, sparse_features, user_dense_features
 from ranker.models.common import to_tensor
@@ -42,20 +40,9 @@ from recserve.lookup.config import LookupClientConfig
 from recserve.sharding import plan_tables
 from recserve.v1 import embedding_pb2
 from recserve.v1.embedding_pb2_grpc import EmbeddingShardStub
+from tests.integration.ranker_world import TINY
 from tests.utils_catalog import make_catalog
 
-TINY = TrainConfig(
-    dlrm=DlrmConfig(embedding_dim=8, dense_arch=(16, 8), over_arch=(16, 1)),
-    two_tower=TwoTowerConfig(embedding_dim=8, hidden=16, out_dim=8),
-    l3=L3Config(embedding_dim=8, history=6, hidden=16),
-    device="cpu",
-    batch_size=512,
-    tt_batch_size=256,
-    epochs=1,
-    tt_epochs=1,
-    max_rows=2048,
-    progress=False,
-)
 PAIRS = 96
 
 

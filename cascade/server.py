@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
 
@@ -21,11 +20,11 @@ import grpc
 from cascade.report import to_proto
 from cascade.service import CascadeCore, RecommendQuery, open_cascade
 from recserve.config.spec import ClusterConfig
-from recserve.errors import PermissionDenied, RecserveError
+from recserve.errors import RecserveError
 from recserve.rpc.deadline import context_from_header
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with
-from recserve.rpc.serving import Slot, serve_loaded, wait_until_serving
+from recserve.rpc.serving import Slot, require_admin_token, serve_loaded, wait_until_serving
 from recserve.rpc.tensors import ids_from, pack
 from recserve.v1 import admin_pb2, admin_pb2_grpc, recommender_pb2, recommender_pb2_grpc
 
@@ -78,9 +77,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self.process = process
 
     def _check_token(self, token: str, method: str) -> None:
-        want = self.process.admin_token
-        if want and not hmac.compare_digest(token.encode(), want.encode()):
-            raise PermissionDenied(f"Admin.{method} needs the admin token (admin_token)")
+        require_admin_token(token, self.process.admin_token, f"Admin.{method}")
 
     async def RefreshIndex(self, request: admin_pb2.RefreshIndexRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RefreshIndexResponse:
         try:

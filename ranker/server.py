@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import logging
 import time
 from collections.abc import Sequence
@@ -32,11 +31,11 @@ from ranker.batch import QueryKind
 from ranker.serving import versions_from_shard_info
 from ranker.service import Answer, RankingCore, open_model_set
 from recserve.config.spec import ClusterConfig
-from recserve.errors import InvalidArgument, PermissionDenied, RecserveError, Unavailable
+from recserve.errors import InvalidArgument, RecserveError, Unavailable
 from recserve.rpc.deadline import RequestContext, context_from_header
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with, error_from_code
-from recserve.rpc.serving import Slot, serve_loaded, wait_until_serving
+from recserve.rpc.serving import Slot, require_admin_token, serve_loaded, wait_until_serving
 from recserve.rpc.tensors import ids_from, pack
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, embedding_pb2, ranking_pb2, ranking_pb2_grpc
@@ -114,9 +113,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def ReloadModels(self, request: admin_pb2.ReloadModelsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ReloadModelsResponse:
         try:
             core = self.slot.get()
-            token = self.process.admin_token
-            if token and not hmac.compare_digest(request.admin_token.encode(), token.encode()):
-                raise PermissionDenied("Admin.ReloadModels needs the admin token (admin_token)")
+            require_admin_token(request.admin_token, self.process.admin_token, "Admin.ReloadModels")
             if not request.models_dir:
                 raise InvalidArgument("models_dir is empty: name the `recserve train --out` directory to load")
             if self._reloading.locked():
@@ -134,9 +131,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def AddItems(self, request: admin_pb2.AddItemsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.AddItemsResponse:
         try:
             core = self.slot.get()
-            token = self.process.admin_token
-            if token and not hmac.compare_digest(request.admin_token.encode(), token.encode()):
-                raise PermissionDenied("Admin.AddItems needs the admin token (admin_token)")
+            require_admin_token(request.admin_token, self.process.admin_token, "Admin.AddItems")
             ids = ids_from(request.item_ids, "item_ids")
             vectors = await core.add_items(ids, ids_from(request.categories, "categories"), ids_from(request.tag_ids, "tag_ids"), ids_from(request.tag_lengths, "tag_lengths"))
         except RecserveError as exc:

@@ -6,6 +6,7 @@ listen-first / load / serve / drain life of a process that composes them."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import os
 import signal
@@ -17,13 +18,20 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from recserve.errors import Unavailable
+from recserve.errors import PermissionDenied, Unavailable
 from recserve.rpc.server import Health
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 POLL_S = 0.2
 CHECK_TIMEOUT_S = 10.0
+
+
+def require_admin_token(given: str, want: str, what: str) -> None:
+    """PermissionDenied naming ``what`` (e.g. ``Admin.ReloadModels``) unless the process
+    has no admin token or ``given`` equals it (constant-time comparison)."""
+    if want and not hmac.compare_digest(given.encode(), want.encode()):
+        raise PermissionDenied(f"{what} needs the admin token (admin_token)")
 
 
 def write_port_file(path: str | Path, port: int) -> None:

@@ -10,7 +10,7 @@ FBGEMM := $(shell if nvidia-smi -L >/dev/null 2>&1; then echo fbgemm-gpu==1.8.0;
 PACKAGES := recserve embedding_server ranker cascade generation
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test unit integration typecheck protos redis bench-scheduler bench-sharding bench-lookup bench-rank bench-recall clean
+.PHONY: venv demo test unit integration typecheck protos redis browser bench-scheduler bench-sharding bench-lookup bench-rank bench-recall clean
 
 venv: $(STAMP)
 
@@ -30,13 +30,14 @@ typecheck: $(STAMP)
 	$(BIN)/mypy $(PACKAGES)
 
 # pytest exits 5 when it collects no tests; make treats any non-zero exit as failure.
-test: $(STAMP) typecheck
+# `browser`: the status page's test drives Debian's headless Chromium.
+test: $(STAMP) typecheck browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS) tests
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit
 
-integration: $(STAMP)
+integration: $(STAMP) browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/integration
 
 # Regenerate the committed gRPC stubs (package recserve.v1) from protos/.
@@ -46,6 +47,11 @@ protos: $(STAMP)
 # redis-server from Debian, for the lookup benchmark's Redis contender.
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } || echo "redis-server could not be installed; the benchmark reports null Redis fields with the reason"
+
+# Debian's chromium + chromium-driver, for the status page's headless-browser test
+# (nothing may download a browser build). Without them that test fails and says why.
+browser:
+	@{ command -v chromium && command -v chromedriver; } >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } || echo "chromium / chromium-driver could not be installed; the status-page browser test will fail"
 
 bench-scheduler: $(STAMP)
 	$(BIN)/recserve bench scheduler

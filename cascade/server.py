@@ -18,9 +18,11 @@ import time
 import grpc
 
 from cascade.report import to_proto
-from cascade.service import CascadeCore, RecommendQuery, open_cascade
+from cascade.service import CascadeCore, RecommendQuery, Recommendation, open_cascade
 from recserve.config.spec import ClusterConfig
 from recserve.errors import RecserveError
+from recserve.metrics import catalog
+from recserve.metrics.serve import start_and_record
 from recserve.rpc.deadline import context_from_header
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with
@@ -49,6 +51,19 @@ class CascadeProcessConfig:
     port_file: str = ""
     admin_token: str = ""
     index_dir: str = ""  # a saved index to load ('' = build from the export's vectors)
+    metrics_port: int = 0  # Prometheus /metrics on host (0 = a free port, -1 = none)
+    metrics_port_file: str = ""  # the bound metrics port is written here before gRPC listens
+
+
+def record_metrics(rec: Recommendation) -> None:
+    """One answered Recommend into ``/metrics``: each stage's time (skipped stages too)
+    and degraded reason, and the response's degraded reason (a few samples per request)."""
+    for report in rec.reports:
+        catalog.CASCADE_STAGE_LATENCY.labels(report.stage).observe(report.elapsed_ms / 1e3)
+        if report.degraded:
+            catalog.CASCADE_STAGE_DEGRADED.labels(report.stage, report.degraded_reason.value).inc()
+    if rec.degraded:
+        catalog.DEGRADED_RESPONSES.labels(RECOMMENDER_SERVICE.rpartition(".")[2], rec.degraded_reason).inc()
 
 
 class RecommenderServicer(recommender_pb2_grpc.RecommenderServicer):
@@ -65,6 +80,7 @@ class RecommenderServicer(recommender_pb2_grpc.RecommenderServicer):
         except RecserveError as exc:
             await abort_with(context, exc)
             raise
+        record_metrics(rec)
         return recommender_pb2.RecommendResponse(
             item_ids=pack(rec.item_ids), scores=pack(rec.scores), stages=[to_proto(r) for r in rec.reports], coverage=rec.coverage,
             degraded=rec.degraded, degraded_reason=rec.degraded_reason, index_version=rec.index_version, model_version=rec.model_version,
@@ -126,6 +142,8 @@ async def serve(config: CascadeProcessConfig, stop: asyncio.Event | None = None)
     # One OpenMP thread: FAISS's pool is process-global, and on a shared 2-core box its
     # threads spin against the shards and rankers (small builds measured ~5x slower).
     faiss.omp_set_num_threads(FAISS_THREADS)
+    # /metrics first: its port file is written before the gRPC one, which launchers wait for.
+    start_and_record(config.host, config.metrics_port, config.metrics_port_file)
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
     slot: Slot[CascadeCore] = Slot("cascade (index and rankers)")
     recommender_pb2_grpc.add_RecommenderServicer_to_server(RecommenderServicer(slot), server)

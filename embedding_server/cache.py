@@ -42,6 +42,7 @@ class RowCache:
         self._clock = 0
         self.hits = 0
         self.misses = 0
+        self.evictions = 0  # rows evicted to make room (not invalidations)
 
     # -- stats ---------------------------------------------------------------------
 
@@ -135,6 +136,7 @@ class RowCache:
             return
         victims = np.argpartition(ticks, count - 1)[:count]
         self._release(victims)
+        self.evictions += count
 
     def _release(self, slots: np.ndarray) -> None:
         if len(slots) == 0:

@@ -36,6 +36,7 @@ class ShardProcessConfig:
     host: str = "127.0.0.1"
     port: int = 0
     port_file: str | None = None
+    metrics_port_file: str | None = None  # the bound /metrics port (server.metrics_port) is written here before gRPC listens
     unix_socket: str | None = None  # also listen on this Unix domain socket (co-located clients)
     server: ShardServerConfig = ShardServerConfig()
     tier_dtype: str = "plan"

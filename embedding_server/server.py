@@ -40,6 +40,8 @@ from embedding_server.service import INLINE_LOOKUP_IDS, EmbeddingShardService
 from embedding_server.shard import ShardCore
 from embedding_server.store import RowStore
 from recserve.errors import Unavailable
+from recserve.metrics.collectors import SHARD as SHARD_METRICS
+from recserve.metrics.serve import start_and_record
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.serving import write_port_file
 from recserve.sharding.plan import ShardingPlan
@@ -111,6 +113,8 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
     plan = ShardingPlan.load(config.plan_path)
     layouts = layouts_from_plan(plan, config.shard_id)
     fault_hook = config.fault_hook or hook_enabled_by_env()
+    # /metrics first: its port file is written before the gRPC one, which launchers wait for.
+    start_and_record(config.host, config.server.metrics_port, config.metrics_port_file)
     executor = ThreadPoolExecutor(max_workers=config.server.threads, thread_name_prefix=f"shard{config.shard_id}")
     faults = FaultInjector(enabled=fault_hook)
     service = EmbeddingShardService(
@@ -122,6 +126,7 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
         admin_token=config.admin_token,
         inline_ids=INLINE_LOOKUP_IDS if config.server.threads == 1 else 0,
     )
+    SHARD_METRICS.track(service, service.metrics_reading)  # recserve_shard_*, read at scrape time
     # make_server: malformed request bytes answer INVALID_ARGUMENT on every method.
     server = make_server(max_message_bytes=config.server.max_message_bytes)
     embedding_pb2_grpc.add_EmbeddingShardServicer_to_server(service, server)
@@ -174,6 +179,7 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
         executor.shutdown(wait=True)
         if core is not None:
             core.close()
+        SHARD_METRICS.retire(service)
 
 
 def run_process(config: ShardProcessConfig, *, exit_process: Callable[[int], Any] = os._exit) -> None:

@@ -98,6 +98,14 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
     def set_ready(self, core: ShardCore) -> None:
         self.core = core
 
+    def metrics_reading(self) -> dict[str, float]:
+        """Rows served by tier and the core's storage counts, for ``/metrics``
+        (:class:`recserve.metrics.collectors.ShardCollector`; read on the scrape thread)."""
+        c, core = self.counters, self.core
+        out = {"rows_hot": float(c.rows_served_hot), "rows_warm": float(c.rows_served_warm), "rows_cold": float(c.rows_served_cold)}
+        out.update(core.storage_counts() if core is not None else {})
+        return out
+
     def _ready(self) -> ShardCore:
         if self.core is None:
             raise Unavailable(f"shard {self.shard_id} is loading its tiers; retry shortly", retry_after_s=0.5)

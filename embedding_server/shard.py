@@ -244,5 +244,17 @@ class ShardCore:
             misses += cache.misses
         return hits, misses
 
+    def storage_counts(self) -> dict[str, float]:
+        """Row-cache hits / misses / evictions and RocksDB key reads, summed over the
+        tables' cold tiers (for ``/metrics``)."""
+        out = {"row_cache_hits": 0.0, "row_cache_misses": 0.0, "row_cache_evictions": 0.0, "rocksdb_reads": 0.0}
+        for t in self.tables.values():
+            cache = t.cold_cache
+            out["row_cache_hits"] += cache.hits
+            out["row_cache_misses"] += cache.misses
+            out["row_cache_evictions"] += cache.evictions
+            out["rocksdb_reads"] += t.cold_reads
+        return out
+
     def close(self) -> None:
         self.store.close()

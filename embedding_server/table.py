@@ -211,6 +211,13 @@ class TableTiers:
         assert isinstance(cold, ColdTier)
         return cold.cache
 
+    @property
+    def cold_reads(self) -> int:
+        """Keys the cold tier has read from RocksDB."""
+        cold = self.tiers[Residence.COLD]
+        assert isinstance(cold, ColdTier)
+        return cold.rocksdb_reads
+
     def tier_sizes(self) -> dict[str, int]:
         warm = [t for c, t in self.tiers.items() if c >= Residence.WARM0]
         cold = self.tiers[Residence.COLD]

@@ -114,6 +114,7 @@ class ColdTier(StorageTier):
         self.table, self.store, self.col_start, self.col_end = table, store, 0, dim
         self.cache = cache
         self._num_rows = num_rows
+        self.rocksdb_reads = 0  # keys multi-got from RocksDB (misses, unique per call)
 
     def gather(self, ids: np.ndarray, slots: np.ndarray, col_start: int, col_end: int, out: RowDType) -> tuple[np.ndarray, np.ndarray]:
         rows, hit = self.cache.get(ids)
@@ -126,6 +127,7 @@ class ColdTier(StorageTier):
             # less than fetching them.
             miss_ids, inverse = np.unique(np.take(ids, miss), return_inverse=True)
             fetched, present = self.store.get_rows(self.table, miss_ids, 0, self.col_end)
+            self.rocksdb_reads += int(miss_ids.shape[0])
             # Only stored rows are cached; absent ids are answered by the bloom filter.
             self.cache.put(miss_ids[present], fetched[present])
             rows[miss] = np.take(fetched, inverse, axis=0)

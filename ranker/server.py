@@ -32,6 +32,8 @@ from ranker.serving import versions_from_shard_info
 from ranker.service import Answer, RankingCore, open_model_set
 from recserve.config.spec import ClusterConfig
 from recserve.errors import InvalidArgument, RecserveError, Unavailable
+from recserve.metrics import catalog
+from recserve.metrics.serve import start_and_record
 from recserve.rpc.deadline import RequestContext, context_from_header
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with, error_from_code
@@ -45,6 +47,7 @@ log = logging.getLogger(__name__)
 
 RANKING_SERVICE = ranking_pb2.DESCRIPTOR.services_by_name["Ranking"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
+RANKING_SHORT = RANKING_SERVICE.rpartition(".")[2]  # the service label of recserve's metrics
 ADMIN_TOKEN_ENV = "RECSERVE_ADMIN_TOKEN"
 MAX_MESSAGE_BYTES = 64 << 20
 GRACE_S = 2.0
@@ -63,6 +66,8 @@ class RankerProcessConfig:
     port: int = 0
     port_file: str = ""
     admin_token: str = ""
+    metrics_port: int = 0  # Prometheus /metrics on host (0 = a free port, -1 = none)
+    metrics_port_file: str = ""  # the bound metrics port is written here before gRPC listens
 
 
 def _context(header: common_pb2.RequestHeader, context: grpc.aio.ServicerContext, core: RankingCore) -> RequestContext:
@@ -86,6 +91,8 @@ class RankingServicer(ranking_pb2_grpc.RankingServicer):
         except RecserveError as exc:
             await abort_with(context, exc)
             raise  # unreachable: abort raises
+        for reason in a.degraded_reasons:  # recserve_degraded_responses_total: one per reason
+            catalog.DEGRADED_RESPONSES.labels(RANKING_SHORT, reason).inc()
         return ranking_pb2.RankResponse(
             item_ids=pack(a.item_ids), scores=pack(a.scores), degraded=a.degraded, degraded_reason=_reason(a),
             missing_rows=a.missing_rows, model_version=a.model_version, model=a.model,
@@ -183,6 +190,8 @@ async def _load(config: RankerProcessConfig) -> RankingCore:
 async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None) -> None:
     """Run one ranker until ``stop`` is set or SIGTERM / SIGINT arrives (listening, and
     NOT_SERVING, while it waits for its shards and loads: :func:`serve_loaded`)."""
+    # /metrics first: its port file is written before the gRPC one, which launchers wait for.
+    start_and_record(config.host, config.metrics_port, config.metrics_port_file)
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
     slot: Slot[RankingCore] = Slot("ranker (models and shard tables)")
     ranking_pb2_grpc.add_RankingServicer_to_server(RankingServicer(slot), server)

@@ -21,6 +21,8 @@ class ErrorKind(enum.Enum):
     FAILED_PRECONDITION = "failed_precondition"
     PERMISSION_DENIED = "permission_denied"
     INTERNAL = "internal"
+    UNAUTHENTICATED = "unauthenticated"  # no or a wrong API key (HTTP 401)
+    UNPROCESSABLE = "unprocessable"  # well-formed JSON whose values break the schema (HTTP 422)
 
 
 class RecserveError(Exception):
@@ -76,6 +78,32 @@ class PermissionDenied(RecserveError):
 
 class InternalError(RecserveError):
     kind = ErrorKind.INTERNAL
+
+
+class Unauthenticated(RecserveError):
+    """The caller did not prove who it is (a missing or wrong API key): HTTP 401. The
+    message never quotes the key it was given."""
+
+    kind = ErrorKind.UNAUTHENTICATED
+
+
+class InvalidField(InvalidArgument):
+    """One request field is invalid; ``field`` is its JSON path (``"exclude_ids[3]"``,
+    ``"body"`` for the body as a whole) and ``value`` the offending value, so an HTTP
+    edge can name both in its error body. This kind (INVALID_ARGUMENT, HTTP 400) is for
+    a request that cannot be read at all: malformed JSON, a body over the size cap."""
+
+    def __init__(self, field: str, value: object, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+        self.value = value
+
+
+class UnprocessableField(InvalidField):
+    """Well-formed JSON whose ``field`` breaks the schema (a wrong type, an unknown or
+    missing field, a value out of range): HTTP 422, gRPC INVALID_ARGUMENT."""
+
+    kind = ErrorKind.UNPROCESSABLE
 
 
 def require(ok: bool, field: str, value: object, fix: str) -> None:

@@ -2,7 +2,9 @@
 
 - ``recserve cascade serve --models MODELS --rankers HOST:PORT,... [--config SPEC]
   [--shards HOST:PORT,...] [--index DIR] [--port P]`` serves ``Recommender.Recommend``
-  (L0 and L1 in this process, L2 and L3 on the rankers) and ``Admin.RefreshIndex``.
+  (L0 and L1 in this process, L2 and L3 on the rankers) and ``Admin.RefreshIndex``;
+  Prometheus ``/metrics`` on ``--metrics-port`` (default: the spec's
+  ``cascade.metrics_port``; the flag wins).
 - ``recserve cascade build-index --models MODELS --out DIR [--config SPEC] [--factory F]``
   builds the L0 index over the export's item vectors (progress bar) and saves it with its
   ``model_version``, for ``serve --index DIR`` or ``Admin.RefreshIndex(index_path=DIR)``.
@@ -27,6 +29,8 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=0, help="listen port (0 = pick a free one; see --port-file)")
     serve.add_argument("--port-file", default="", help="write the bound port here (atomically) once listening")
+    serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port (0 = a free one, -1 = none; default: the spec's cascade.metrics_port)")
+    serve.add_argument("--metrics-port-file", default="", help="write the bound metrics port here (atomically) before listening for gRPC")
     serve.set_defaults(func=_serve)
     build = sub.add_parser("build-index", help="build the L0 FAISS index of an export and save it")
     build.add_argument("--models", type=Path, required=True, help="a `recserve train --out` directory")
@@ -55,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = CascadeProcessConfig(
         cluster=cluster, models_dir=models, ranker_addresses=rankers, shard_addresses=tuple(a for a in args.shards.split(",") if a) or cluster.shard_addresses,
         host=args.host, port=args.port, port_file=args.port_file, admin_token=os.environ.get("RECSERVE_ADMIN_TOKEN", ""), index_dir=args.index,
+        metrics_port=cluster.cascade.metrics_port if args.metrics_port is None else args.metrics_port, metrics_port_file=args.metrics_port_file,
     )  # fmt: skip
     asyncio.run(serve(config))
     return 0

@@ -16,6 +16,8 @@
    scores, and check the DLRM answer against the in-process model.
 5. Start the cascade (``recserve cascade serve``) over the shards and the ranker and send
    a few ``Recommend`` calls; print each user's items, scores and stage reports.
+6. Start the HTTP gateway (``recserve gateway serve``) on the cascade and the ranker and
+   send one ``POST /v1/recommendations``, printing the equivalent ``curl``.
 
 Later issues extend it until it serves the whole cascade.
 """
@@ -90,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"oracle      DLRM scores over gRPC equal the in-process DLRM: {ranked['matches']}")
         print("== Recommend through the L0-L3 cascade (recserve cascade serve), 200 ms deadlines ==")
         print(ranked["recommendations"])
+        print("== one recommendation over HTTP (recserve gateway serve) ==")
+        print(ranked["http"])
         ok = lookups["pooled_matches_torchrec"] and lookups["scores_match"] and lookups["degraded_callers"] == 0 and ranked["matches"]
         return 0 if ok else 1
 
@@ -203,6 +207,7 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
     from ranker.scoring import score_pairs
     from ranker.serving import load_model, open_export
     from recserve.cluster.cascade import CascadeCluster
+    from recserve.cluster.gateway import GatewayCluster
     from recserve.cluster.rankers import RankerCluster
 
     export = open_export(report.out)
@@ -222,6 +227,8 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
         # The cascade over the same shards and ranker: Recommend end to end.
         with CascadeCluster(spec, report.out, rankers.addresses, shard_addresses, data_root=workdir / "cascade") as cascade:
             recommendations = _recommend_demo(cascade.address, [user] + rng.integers(0, arrays.num_users, 2).tolist())
+            with GatewayCluster(spec, [cascade.address], rankers.addresses, data_root=workdir / "gateway") as gateway:
+                http_answer = _http_demo(gateway.url, user)
     dlrm = load_model(export, "dlrm", device="cpu", with_tables=True)
     with torch.no_grad():
         want = dict(zip(candidates.tolist(), score_pairs(dlrm, arrays, np.full(candidates.shape, user), candidates).tolist()))  # type: ignore[arg-type]
@@ -233,7 +240,21 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
         lines.append(f"{k + 1:>4}  " + "  ".join(f"{int(a.item_ids[k]):>14,} {float(a.scores[k]):>8.3f}" for a in answers.values()))
     degraded = [m for m, a in answers.items() if a.degraded]
     lines.append(f"degraded    {degraded or 'none'}")
-    return {"table": "\n".join(lines), "matches": matches, "recommendations": recommendations}
+    return {"table": "\n".join(lines), "matches": matches, "recommendations": recommendations, "http": http_answer}
+
+
+def _http_demo(url: str, user: int) -> str:
+    """One recommendation over HTTP through the gateway, shown as the curl a user types."""
+    import json
+    import urllib.request
+
+    body = json.dumps({"user_id": user, "k": 5, "deadline_ms": 500})
+    request = urllib.request.Request(url + "/v1/recommendations", data=body.encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        answer = json.loads(reply.read())
+        request_id = reply.headers["X-Request-Id"]
+    return (f"$ curl -s -X POST {url}/v1/recommendations -H 'Content-Type: application/json' -d '{body}'\n"
+            f"items {answer['item_ids']}, degraded {answer['degraded_reason'] or 'no'}, request id {request_id}")  # fmt: skip
 
 
 def _recommend_demo(address: str, users: list[int]) -> str:

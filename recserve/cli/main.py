@@ -14,6 +14,7 @@ import os
 import sys
 
 from recserve.errors import RecserveError
+from recserve.logs import configure as configure_logging
 
 # Subcommands in help order: name -> module exposing add_parser(subparsers) and run(args).
 COMMANDS: dict[str, str] = {
@@ -25,11 +26,11 @@ COMMANDS: dict[str, str] = {
     "ranker": "recserve.cli.ranker_cmd",
     "cascade": "recserve.cli.cascade_cmd",
     "serve": "recserve.cli.serve_cmd",
+    "gateway": "recserve.cli.gateway_cmd",
+    "loadtest": "recserve.cli.loadtest_cmd",
 }
 # Planned subcommands (later issues); listed in --help so users see the roadmap.
-PLANNED: dict[str, str] = {
-    "loadtest": "open-loop load test of the accumulation windows and the cascade",
-}
+PLANNED: dict[str, str] = {}
 
 
 def _planned(args: argparse.Namespace) -> int:
@@ -65,10 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     # Third-party libraries (fbgemm, torch) log chatter at INFO on the root logger; keep
-    # them at WARNING and show recserve's own INFO lines.
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    for name in ("recserve", "embedding_server", "ranker", "cascade"):
-        logging.getLogger(name).setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    # them at WARNING and show recserve's own INFO lines, each with its request id and
+    # with secrets masked (recserve.logs).
+    configure_logging(logging.DEBUG if args.verbose else logging.WARNING, own_level=logging.DEBUG if args.verbose else logging.INFO)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -3,7 +3,8 @@
 - ``recserve ranker serve --models MODELS --config SPEC [--shards HOST:PORT,...] [--port P]``
   serves Rank, EmbedUser and Admin for every model in ``ranker.models``, reading its
   embeddings from the shards (``--shards``, else the spec's ``shard_addresses``), which
-  must serve the export's tables at its ``model_version``.
+  must serve the export's tables at its ``model_version``; Prometheus ``/metrics`` on
+  ``--metrics-port`` (default: the spec's ``ranker.metrics_port``; the flag wins).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=0, help="listen port (0 = pick a free one; see --port-file)")
     serve.add_argument("--port-file", default="", help="write the bound port here (atomically) once listening")
+    serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port (0 = a free one, -1 = none; default: the spec's ranker.metrics_port)")
+    serve.add_argument("--metrics-port-file", default="", help="write the bound metrics port here (atomically) before listening for gRPC")
     serve.set_defaults(func=_serve)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
@@ -45,6 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = RankerProcessConfig(
         cluster=cluster, models_dir=models, shard_addresses=shards, host=args.host, port=args.port, port_file=args.port_file,
         admin_token=os.environ.get(ADMIN_TOKEN_ENV, ""),
+        metrics_port=cluster.ranker.metrics_port if args.metrics_port is None else args.metrics_port, metrics_port_file=args.metrics_port_file,
     )  # fmt: skip
     asyncio.run(serve(config))
     return 0

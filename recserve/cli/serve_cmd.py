@@ -15,11 +15,14 @@
    tables must be the export's. ``[topology]`` says how many rankers and where they listen.
 3. **Start** (:class:`recserve.cluster.stack.ServingStack`): the export's tables are
    planned (the training log's item counts as access frequency), shards load them, the
-   rankers and the cascade start on top; each endpoint is printed as it turns SERVING
-   (``gRPC Ranking at 127.0.0.1:PORT (ranker 0, pid ..., log ...)``), then exactly
-   ``recserve: ready`` once every child is SERVING.
-4. **Stop** on SIGINT/SIGTERM: the cascade (drains in-flight calls), then the rankers,
-   then the shards; exit 0. Every child is orphan-protected (lifeline pipe +
+   rankers and the cascade start on top, and the HTTP gateway last; each endpoint is
+   printed as it turns SERVING (``gRPC Ranking at 127.0.0.1:PORT (ranker 0, pid ...,
+   log ...)``, ``HTTP gateway at http://127.0.0.1:PORT (pid ..., log ...)``), then
+   exactly ``recserve: ready`` once every child is SERVING. The gateway listens on the
+   spec's ``[gateway] host`` / ``port``; tenants' keys come from this process's
+   environment (``[[tenants]] api_key_env``).
+4. **Stop** on SIGINT/SIGTERM: the gateway, the cascade (drains in-flight calls), then
+   the rankers, then the shards; exit 0. Every child is orphan-protected (lifeline pipe +
    PDEATHSIG), so a SIGKILLed ``recserve serve`` leaves no child behind either.
 
 Children keep their RocksDB, logs and port files under ``--data`` (default: a temp dir,
@@ -60,13 +63,14 @@ def _raise_signalled(signum: int, frame: Any) -> None:
 
 
 def add_parser(subparsers: Any) -> None:
-    parser = subparsers.add_parser("serve", help="serve the whole cluster (shards, rankers, the cascade's Recommend) from one spec")
+    parser = subparsers.add_parser("serve", help="serve the whole cluster (shards, rankers, the cascade's Recommend, the HTTP gateway) from one spec")
     parser.add_argument("--config", type=Path, default=None, help="cluster spec TOML (default: the export's cluster.toml, or the embedded spec)")
     parser.add_argument("--catalog", type=Path, default=None, help="train on this catalog dir when --models is not given (default: generate one in the cache)")
     parser.add_argument("--models", type=Path, default=None, help="serve this `recserve train --out` export (default: train one into the cache, once)")
     parser.add_argument("--cache", type=Path, default=None, help="where generated catalogs and trained models are kept (default ~/.cache/recserve/<spec hash>)")
     parser.add_argument("--data", type=Path, default=None, help="children's RocksDB, logs and port files (default: a temp dir removed on exit)")
-    parser.add_argument("--no-cascade", action="store_true", help="serve shards and rankers only (the Ranking service, no Recommender)")
+    parser.add_argument("--no-cascade", action="store_true", help="serve shards and rankers only (the Ranking service, no Recommender, no gateway)")
+    parser.add_argument("--no-gateway", action="store_true", help="serve no HTTP gateway (gRPC only)")
     parser.set_defaults(func=run)
 
 
@@ -132,11 +136,12 @@ def _prepare(args: argparse.Namespace, data_root: Path) -> ServingStack:
     topo = cluster.topology
     print(
         f"recserve serve: spec {spec_path}, models {models} (model_version {export.model_version}), data {data_root}\n"
-        f"recserve serve: {cluster.sharding.num_shards} shards, {topo.rankers} rankers{'' if args.no_cascade else ', the cascade'} on {topo.host}",
+        f"recserve serve: {cluster.sharding.num_shards} shards, {topo.rankers} rankers{'' if args.no_cascade else ', the cascade'}"
+        f"{'' if args.no_cascade or args.no_gateway else ', the HTTP gateway'} on {topo.host}",
         flush=True,
     )  # fmt: skip
     return ServingStack(
-        cluster, spec_path=spec_path, models_dir=models, plan_path=plan_path, data_root=data_root, cascade=not args.no_cascade,
+        cluster, spec_path=spec_path, models_dir=models, plan_path=plan_path, data_root=data_root, cascade=not args.no_cascade, gateway=not args.no_gateway,
         shard_server=server, admin_token=os.environ.get(ADMIN_TOKEN_ENV, ""), on_endpoint=lambda e: print(e.line(), flush=True),
     )  # fmt: skip
 

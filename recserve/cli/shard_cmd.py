@@ -1,7 +1,8 @@
 """``recserve shard``: run, load and inspect embedding shard servers.
 
 - ``recserve shard serve --plan PLAN --shard-id K --data DIR --port P [--load-from SRC [--overwrite]]``
-  runs one shard process (gRPC EmbeddingShard + health + reflection) until SIGTERM.
+  runs one shard process (gRPC EmbeddingShard + health + reflection, Prometheus
+  ``/metrics`` on ``--metrics-port``) until SIGTERM.
 - ``recserve shard load --plan PLAN --shard-id K --data DIR --from SRC`` bulk-loads the
   shard's owned rows into RocksDB (idempotent: a re-run is skipped via the manifest).
   Both refuse to load over upserts newer than the store's last load unless ``--overwrite``.
@@ -46,6 +47,8 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=0, help="TCP port (0 = pick a free one; see --port-file)")
     serve.add_argument("--port-file", default=None, help="write the bound port here once listening")
+    serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port (0 = a free one, -1 = none; default 0)")
+    serve.add_argument("--metrics-port-file", default=None, help="write the bound metrics port here (atomically) before listening for gRPC")
     serve.add_argument("--unix-socket", default=None, help="also listen on this Unix domain socket path (clients on this host: unix:PATH)")
     serve.add_argument("--load-from", default=None, help="bulk-load this source first if not loaded yet (dir of <table>.npy, .npz, .npy)")
     serve.add_argument("--overwrite", action="store_true", help="let --load-from overwrite upserts acknowledged since the last load (they are lost)")
@@ -131,6 +134,7 @@ def _server_config(args: argparse.Namespace) -> Any:
         "max_ids_per_rpc": args.max_ids_per_rpc,
         "max_bags_per_rpc": args.max_bags_per_rpc,
         "max_message_bytes": args.max_message_bytes,
+        "metrics_port": args.metrics_port,
     }
     return dataclasses.replace(ShardServerConfig(), **{k: v for k, v in overrides.items() if v is not None})
 
@@ -142,6 +146,7 @@ def _serve(args: argparse.Namespace) -> int:
         os.environ.setdefault(name, str(args.threads or 1))
     from embedding_server.config import ShardProcessConfig
     from embedding_server.server import run_process
+    from recserve.logs import register_secret
 
     config = ShardProcessConfig(
         shard_id=args.shard_id,
@@ -150,6 +155,7 @@ def _serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         port_file=args.port_file,
+        metrics_port_file=args.metrics_port_file,
         unix_socket=args.unix_socket,
         server=_server_config(args),
         tier_dtype=args.tier_dtype,
@@ -161,6 +167,7 @@ def _serve(args: argparse.Namespace) -> int:
         load_from=args.load_from,
         overwrite_upserts=args.overwrite,
     )
+    register_secret(config.admin_token)  # a token given by flag is masked in logs too (recserve.logs)
     run_process(config)  # exits the process (no interpreter teardown) after a clean stop
     return 0
 

@@ -3,5 +3,6 @@ cascade, the gateway and the benchmarks call rankers through these, never by imp
 a server package)."""
 
 from recserve.client.ranking import EmbedResult, RankingClient, RankingClientStats, RankResult
+from recserve.client.rec import Recommendation, RecClient, StageReport, SyncRecClient
 
-__all__ = ["EmbedResult", "RankResult", "RankingClient", "RankingClientStats"]
+__all__ = ["EmbedResult", "RankResult", "RankingClient", "RankingClientStats", "RecClient", "Recommendation", "StageReport", "SyncRecClient"]

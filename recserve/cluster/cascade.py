@@ -53,7 +53,8 @@ class CascadeCluster:
     ``env``: process-start settings on top of this process's environment; given (even
     empty) they own the transport variables (``GRPC_EXPERIMENTS``, ``MALLOC_*``) as for
     :class:`~recserve.cluster.shards.ShardCluster`. ``extra_args`` are appended to the
-    command line.
+    command line. ``metrics_port``: where it serves Prometheus ``/metrics`` (0 = a free
+    port, -1 = none; :attr:`metrics_url`), passed as ``--metrics-port``.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class CascadeCluster:
         extra_args: Sequence[str] = (),
         admin_token: str = "",
         start_timeout_s: float = 120.0,
+        metrics_port: int = 0,
         python: str = sys.executable,
     ) -> None:
         _check_addresses("ranker_addresses", ranker_addresses)
@@ -90,7 +92,7 @@ class CascadeCluster:
         self.python = python
         self._group = ProcessGroup(
             "cascade", self.data_root, 1, command=self._command, env=self._env, start_timeout_s=start_timeout_s,
-            health_service=RECOMMENDER_HEALTH_SERVICE, host=host, ports=(port,),
+            health_service=RECOMMENDER_HEALTH_SERVICE, host=host, ports=(port,), metrics_port=metrics_port,
         )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------
@@ -129,6 +131,11 @@ class CascadeCluster:
     @property
     def address(self) -> str:
         return self._group.address(0)
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Its Prometheus endpoint (``http://HOST:PORT/metrics``; None: metrics_port -1)."""
+        return self._group.metrics_url(0)
 
     @property
     def pid(self) -> int:

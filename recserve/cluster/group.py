@@ -16,8 +16,12 @@ and environment look::
     group.stop()           # SIGTERM to all, then reap each (SIGKILL past the grace)
 
 Member ``k`` logs to ``root/<kind>-k.log`` (appended: a restart keeps the history) and
-writes its port to ``root/<kind>-k.port``. The spawner, the health watch and the clock
-are injected, so the start-up logic is unit-tested without processes.
+writes its port to ``root/<kind>-k.port``. Given a ``metrics_port`` (the spec's: 0 = free
+ports, N > 0 = member k binds N + k, -1 = none), the group appends ``--metrics-port P
+--metrics-port-file root/<kind>-k.metrics-port`` to every member's command line (every
+``recserve ... serve`` takes them), reads the bound port once the process is up, and
+:meth:`ProcessGroup.metrics_url` is its Prometheus endpoint. The spawner, the health
+watch and the clock are injected, so the start-up logic is unit-tested without processes.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 from typing import Protocol
 
 from recserve.cluster.process import STOP_GRACE_S, spawn_child
+from recserve.config.spec import NO_METRICS_PORT, require_metrics_port
 from recserve.errors import ConfigError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -129,11 +134,13 @@ def launch_env(extra: Mapping[str, str], *, owns_transport: bool, threads: int, 
 class _Member:
     child: Child
     port: int  # 0 until the port file is read
+    metrics_port: int = 0  # 0 until the metrics port file is read; -1 = no metrics server
 
 
 class ProcessGroup:
     """``size`` server processes of one ``kind``; member ``k`` runs ``command(k, port, port_file)``
-    (``ports[k]`` the first time, default 0: it picks one) with ``env()`` (built at each spawn)."""
+    (``ports[k]`` the first time, default 0: it picks one) with ``env()`` (built at each spawn).
+    ``metrics_port`` None: the group passes no metrics flags (the command's own choice)."""
 
     def __init__(
         self,
@@ -147,6 +154,7 @@ class ProcessGroup:
         health_service: str = "",
         host: str = "127.0.0.1",
         ports: Sequence[int] = (),
+        metrics_port: int | None = None,
         cwd: str | Path = REPO_ROOT,
         spawn: Spawner = spawn_child,
         health: HealthWatch = watch_health,
@@ -163,6 +171,11 @@ class ProcessGroup:
         self.first_ports = tuple(ports) or (0,) * size
         if len(self.first_ports) != size:
             raise ConfigError(f"ports = {list(ports)} is invalid: give one port per {kind} ({size}), or none for free ports")
+        if metrics_port is not None:
+            require_metrics_port(f"{kind} metrics_port", metrics_port)
+            if metrics_port > 0 and metrics_port + size - 1 > 65535:
+                raise ConfigError(f"metrics_port = {metrics_port} is invalid for {size} {kind}s: member k binds {metrics_port} + k, past 65535")
+        self.metrics_port = metrics_port
         self._command = command
         self._env = env
         self._cwd = cwd
@@ -183,20 +196,25 @@ class ProcessGroup:
             for k in range(self.size):
                 self.spawn(k, port=self.first_ports[k])
             for k in range(self.size):
-                self._members[k].port = self._read_port(k)
+                self._read_ports(k)
             for k in range(self.size if wait else 0):
                 self.wait_serving(k)
         except BaseException:
             self.stop()
             raise
 
-    def spawn(self, k: int, *, port: int) -> None:
-        """Launch member ``k`` on ``port`` (0: it picks one and writes its port file)."""
+    def spawn(self, k: int, *, port: int, metrics_port: int | None = None) -> None:
+        """Launch member ``k`` on ``port`` (0: it picks one and writes its port file) and,
+        when the group passes metrics flags, ``metrics_port`` (default: the group's rule)."""
         port_file = self.port_file(k)
         port_file.unlink(missing_ok=True)  # a stale file from an earlier run must not be read as this one's
         argv = self._command(k, port, port_file)
+        metrics = self._first_metrics_port(k) if metrics_port is None else metrics_port
+        if self.metrics_port is not None:
+            self.metrics_port_file(k).unlink(missing_ok=True)
+            argv = [*argv, "--metrics-port", str(metrics), "--metrics-port-file", str(self.metrics_port_file(k))]
         child = self._spawn_fn(argv, env=self._env(), log_file=self.log_path(k), cwd=self._cwd)
-        self._members[k] = _Member(child=child, port=port)
+        self._members[k] = _Member(child=child, port=port, metrics_port=metrics if self.metrics_port is not None else NO_METRICS_PORT)
 
     def stop(self, k: int | None = None) -> None:
         """SIGTERM member ``k`` (default: all), SIGKILL whatever outlives the grace; reaped."""
@@ -212,9 +230,9 @@ class ProcessGroup:
 
     def restart(self, k: int, *, wait: bool = True) -> None:
         """Start member ``k`` again on its previous port (stopping it first if alive)."""
-        port = self._members[k].port
+        port, metrics_port = self._members[k].port, self._members[k].metrics_port
         self.stop(k)  # a no-op signal if it is already dead; reaps it and closes its lifeline
-        self.spawn(k, port=port)
+        self.spawn(k, port=port, metrics_port=metrics_port if self.metrics_port is not None else None)  # both ports kept
         if wait:
             self.wait_serving(k)
 
@@ -260,6 +278,15 @@ class ProcessGroup:
     def port_file(self, k: int) -> Path:
         return self.root / f"{self.kind}-{k}.port"
 
+    def metrics_port_file(self, k: int) -> Path:
+        return self.root / f"{self.kind}-{k}.metrics-port"
+
+    def metrics_url(self, k: int) -> str | None:
+        """Member ``k``'s Prometheus endpoint, ``http://HOST:PORT/metrics``; None when it
+        serves none (``metrics_port`` -1, or the group passes no metrics flags)."""
+        port = self._members[k].metrics_port
+        return None if port <= 0 else f"http://{self.host}:{port}/metrics"
+
     def check_alive(self, k: int) -> None:
         """Raise Unavailable, quoting the end of its log, if member ``k`` has exited."""
         code = self._members[k].child.poll()
@@ -274,8 +301,19 @@ class ProcessGroup:
         except FileNotFoundError:
             return "(no log)"
 
-    def _read_port(self, k: int) -> int:
-        port_file = self.port_file(k)
+    def _first_metrics_port(self, k: int) -> int:
+        base = NO_METRICS_PORT if self.metrics_port is None else self.metrics_port
+        return base + k if base > 0 else base
+
+    def _read_ports(self, k: int) -> None:
+        """Member ``k``'s gRPC port and, when it serves metrics, its metrics port (written
+        before the gRPC one, so it is there by then; still waited for, not assumed)."""
+        member = self._members[k]
+        member.port = self._read_port(k, self.port_file(k))
+        if member.metrics_port != NO_METRICS_PORT:
+            member.metrics_port = self._read_port(k, self.metrics_port_file(k))
+
+    def _read_port(self, k: int, port_file: Path) -> int:
         deadline = self._clock() + self.start_timeout_s
         while not port_file.exists():
             self.check_alive(k)

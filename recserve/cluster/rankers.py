@@ -45,7 +45,9 @@ class RankerCluster:
     empty) they own the transport variables (``GRPC_EXPERIMENTS``, ``MALLOC_*``) as for
     :class:`~recserve.cluster.shards.ShardCluster`. ``extra_args`` are appended to every
     ranker's command line. ``host`` / ``ports``: where they listen (default: loopback,
-    free ports; ranker ``k`` binds ``ports[k]``).
+    free ports; ranker ``k`` binds ``ports[k]``). ``metrics_port``: where each serves
+    Prometheus ``/metrics`` (0 = free ports, N > 0 = ranker k binds N + k, -1 = none;
+    :meth:`metrics_url`), passed as ``--metrics-port``, which wins over the spec's.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class RankerCluster:
         start_timeout_s: float = 120.0,
         host: str = "127.0.0.1",
         ports: Sequence[int] = (),
+        metrics_port: int = 0,
         python: str = sys.executable,
     ) -> None:
         if num_rankers < 1:
@@ -83,7 +86,7 @@ class RankerCluster:
         self.python = python
         self._group = ProcessGroup(
             "ranker", self.data_root, num_rankers, command=self._command, env=self._env,
-            start_timeout_s=start_timeout_s, health_service=RANKING_HEALTH_SERVICE, host=host, ports=ports,
+            start_timeout_s=start_timeout_s, health_service=RANKING_HEALTH_SERVICE, host=host, ports=ports, metrics_port=metrics_port,
         )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------
@@ -126,6 +129,10 @@ class RankerCluster:
 
     def address(self, k: int) -> str:
         return self._group.address(k)
+
+    def metrics_url(self, k: int) -> str | None:
+        """Ranker ``k``'s Prometheus endpoint (``http://HOST:PORT/metrics``; None: metrics_port -1)."""
+        return self._group.metrics_url(k)
 
     def pid(self, k: int) -> int:
         return self._group.pid(k)

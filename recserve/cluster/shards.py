@@ -85,7 +85,9 @@ class ShardCluster:
         self.start_timeout_s = start_timeout_s
         self.host = host  # listen address; shard k binds ports[k] (default: free ports)
         self.python = python
-        self._group = ProcessGroup("shard", self.data_root, num_shards, command=self._command, env=self._env, start_timeout_s=start_timeout_s, host=host, ports=ports)
+        # Prometheus /metrics: server.metrics_port (0 = free ports, N = shard k binds N + k, -1 = none).
+        self._group = ProcessGroup("shard", self.data_root, num_shards, command=self._command, env=self._env, start_timeout_s=start_timeout_s,
+                                   host=host, ports=ports, metrics_port=server.metrics_port)  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -137,6 +139,10 @@ class ShardCluster:
 
     def _socket_path(self, k: int) -> Path:
         return (self.data_root / f"shard-{k}.sock").resolve()
+
+    def metrics_url(self, k: int) -> str | None:
+        """Shard ``k``'s Prometheus endpoint (``http://HOST:PORT/metrics``; None: metrics_port -1)."""
+        return self._group.metrics_url(k)
 
     def pid(self, k: int) -> int:
         return self._group.pid(k)

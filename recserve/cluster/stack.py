@@ -1,4 +1,4 @@
-"""The whole serving cluster from one spec: shards, N rankers and the cascade.
+"""The whole serving cluster from one spec: shards, N rankers, the cascade and the HTTP gateway.
 
 :class:`ServingStack` is what ``recserve serve`` runs (docs/architecture.md §3): the
 spec's ``sharding.num_shards`` shard processes loaded from an export's tables, its
@@ -11,11 +11,15 @@ this process, even when it is SIGKILLed). Start order follows the dependencies:
    be SERVING by itself, so torch's import and the model load overlap the shards'
    table loads;
 3. shards, then rankers, are awaited (health SERVING), each reported as it comes up;
-4. the cascade is spawned on the rankers' and shards' addresses and awaited.
+4. the cascade is spawned on the rankers' and shards' addresses and awaited;
+5. the HTTP gateway is spawned last on the cascade's and rankers' addresses, scraping
+   every child's ``/metrics`` for its status page (:meth:`ServingStack.metrics_urls`),
+   and awaited (``/readyz`` 200). Tenants' keys reach it through this process's
+   environment (``[[tenants]] api_key_env``).
 
-:meth:`ServingStack.stop` goes the other way: the cascade first (it drains its in-flight
-Recommend calls while the rankers still answer them), then the rankers, then the
-shards. A failed start stops whatever was started before the error propagates::
+:meth:`ServingStack.stop` goes the other way: the gateway first, then the cascade (it
+drains its in-flight Recommend calls while the rankers still answer them), then the
+rankers, then the shards. A failed start stops whatever was started before the error propagates::
 
     stack = ServingStack(cluster, spec_path=spec, models_dir=models, plan_path=plan, data_root=run,
                          on_endpoint=lambda e: print(e.line()))
@@ -34,6 +38,7 @@ from pathlib import Path
 from types import TracebackType
 
 from recserve.cluster.cascade import CascadeCluster
+from recserve.cluster.gateway import GatewayCluster
 from recserve.cluster.rankers import RankerCluster
 from recserve.cluster.shards import ShardCluster
 from recserve.config.spec import ClusterConfig, ShardServerConfig
@@ -44,17 +49,21 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
-    """One SERVING child: the gRPC service a client calls at ``address``."""
+    """One SERVING child: the gRPC service (or, for the gateway, the HTTP API) a client
+    calls at ``address``."""
 
-    service: str  # "EmbeddingShard", "Ranking", "Recommender"
-    kind: str  # "shard", "ranker", "cascade"
+    service: str  # "EmbeddingShard", "Ranking", "Recommender", "gateway"
+    kind: str  # "shard", "ranker", "cascade", "gateway"
     index: int  # member k of its kind
     address: str  # HOST:PORT
     pid: int
     log_path: Path
 
     def line(self) -> str:
-        """``gRPC Ranking at 127.0.0.1:40123 (ranker 0, pid 4242, log /run/ranker-0.log)``."""
+        """``gRPC Ranking at 127.0.0.1:40123 (ranker 0, pid 4242, log /run/ranker-0.log)``;
+        the gateway: ``HTTP gateway at http://127.0.0.1:8080 (pid 4243, log ...)``."""
+        if self.kind == "gateway":
+            return f"HTTP gateway at http://{self.address} (pid {self.pid}, log {self.log_path})"
         return f"gRPC {self.service} at {self.address} ({self.kind} {self.index}, pid {self.pid}, log {self.log_path})"
 
 
@@ -68,7 +77,8 @@ class ServingStack:
     export ``models_dir`` with the sharding plan at ``plan_path``. Children keep their
     data (shards' RocksDB), logs and port files under ``data_root``.
 
-    ``cascade=False`` stops at the rankers (the Ranking service alone). ``shard_server``
+    ``cascade=False`` stops at the rankers (the Ranking service alone); ``gateway=False``
+    at the cascade (no HTTP gateway). ``shard_server``
     overrides the spec's per-shard settings (e.g. the row cache a budget plan leaves).
     ``on_endpoint`` is called once per child as it turns SERVING, in start order.
     """
@@ -82,6 +92,7 @@ class ServingStack:
         plan_path: str | Path,
         data_root: str | Path,
         cascade: bool = True,
+        gateway: bool = True,
         shard_server: ShardServerConfig | None = None,
         admin_token: str = "",
         on_endpoint: Callable[[Endpoint], None] = _ignore,
@@ -94,6 +105,7 @@ class ServingStack:
         self.plan_path = Path(plan_path)
         self.data_root = Path(data_root)
         self.with_cascade = cascade
+        self.with_gateway = cascade and gateway  # the gateway calls the cascade
         self.admin_token = admin_token
         self._on_endpoint = on_endpoint
         topo = cluster.topology
@@ -113,6 +125,7 @@ class ServingStack:
         self._python = python
         self.rankers: RankerCluster | None = None
         self.cascade: CascadeCluster | None = None
+        self.gateway: GatewayCluster | None = None
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -134,7 +147,7 @@ class ServingStack:
             self.rankers = RankerCluster(
                 self.spec_path, self.models_dir, shard_addresses, num_rankers=topo.rankers, data_root=self.data_root / "rankers",
                 env=self._client_env, admin_token=self.admin_token, start_timeout_s=self._start_timeout_s, host=topo.host,
-                ports=topo.ports("ranker_ports", topo.rankers), python=self._python,
+                ports=topo.ports("ranker_ports", topo.rankers), metrics_port=self.cluster.ranker.metrics_port, python=self._python,
             )  # fmt: skip
             self.rankers.start(wait=False)
             for k in range(self.shards.num_shards):
@@ -147,24 +160,34 @@ class ServingStack:
                 self.cascade = CascadeCluster(
                     self.spec_path, self.models_dir, self.rankers.addresses, shard_addresses, data_root=self.data_root / "cascade",
                     host=topo.host, port=topo.cascade_port, env=self._client_env, admin_token=self.admin_token,
-                    start_timeout_s=self._start_timeout_s, python=self._python,
+                    start_timeout_s=self._start_timeout_s, metrics_port=self.cluster.cascade.metrics_port, python=self._python,
                 )  # fmt: skip
                 self.cascade.start()
                 self._report("Recommender", "cascade", 0, self.cascade.address, self.cascade.pid, self.cascade.log_path)
+            if self.with_gateway:
+                assert self.cascade is not None
+                gw = self.cluster.gateway
+                self.gateway = GatewayCluster(
+                    self.spec_path, [self.cascade.address], self.rankers.addresses, data_root=self.data_root / "gateway",
+                    scrape=self.metrics_urls(), host=gw.host, port=gw.port, start_timeout_s=self._start_timeout_s, python=self._python,
+                )  # fmt: skip
+                self.gateway.start()
+                self._report("gateway", "gateway", 0, self.gateway.address, self.gateway.pid, self.gateway.log_path)
         except BaseException:
             self.stop()
             raise
 
     def stop(self) -> None:
-        """Stop the cascade, then the rankers, then the shards (each SIGTERM, graceful;
+        """Stop the gateway, the cascade, then the rankers, then the shards (each SIGTERM, graceful;
         SIGKILL past the grace; reaped). Safe to call more than once."""
-        for launcher in (self.cascade, self.rankers, self.shards):
+        for launcher in (self.gateway, self.cascade, self.rankers, self.shards):
             if launcher is None:
                 continue
             try:
                 launcher.stop()
             except Exception:  # one launcher's failure must not leave the others running
                 log.exception("stopping %s failed", type(launcher).__name__)
+        self.gateway = None
         self.cascade = None
         self.rankers = None
 
@@ -178,17 +201,32 @@ class ServingStack:
                 self.rankers.wait_serving(k, timeout_s)
         if self.cascade is not None:
             self.cascade.wait_serving(timeout_s)
+        if self.gateway is not None:
+            self.gateway.wait_serving(timeout_s)
 
     # -- what is running ---------------------------------------------------------------
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Every running child's Prometheus endpoint by name (``"shard-0"``, ``"ranker-1"``,
+        ``"cascade-0"``) -> ``http://HOST:PORT/metrics``, in start order; a child whose
+        section sets ``metrics_port = -1`` is left out."""
+        urls = {f"shard-{k}": self.shards.metrics_url(k) for k in range(self.shards.num_shards)}
+        if self.rankers is not None:
+            urls.update({f"ranker-{k}": self.rankers.metrics_url(k) for k in range(self.rankers.num_rankers)})
+        if self.cascade is not None:
+            urls["cascade-0"] = self.cascade.metrics_url
+        return {name: url for name, url in urls.items() if url is not None}
+
     @property
     def pids(self) -> list[int]:
-        """Every child's pid (shards, rankers, cascade)."""
+        """Every child's pid (shards, rankers, cascade, gateway)."""
         pids = [self.shards.pid(k) for k in range(self.shards.num_shards)]
         if self.rankers is not None:
             pids += [self.rankers.pid(k) for k in range(self.rankers.num_rankers)]
         if self.cascade is not None:
             pids.append(self.cascade.pid)
+        if self.gateway is not None:
+            pids.append(self.gateway.pid)
         return pids
 
     def _report(self, service: str, kind: str, k: int, address: str, pid: int, log_path: Path) -> None:

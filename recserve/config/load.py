@@ -189,8 +189,18 @@ ranker_ports = "0"
 cascade_port = 0
 unix_sockets = false
 
+# Tenants of the HTTP gateway. `default` needs no API key (api_key_env = ""), so a first
+# curl works; a keyed tenant names the environment variable that holds its key (the key
+# never sits here) and may carry quotas:
+#   [[tenants]]
+#   name = "feed"
+#   api_key_env = "FEED_API_KEY"
+#   rate_per_s = 200.0
+#   burst = 50
+#   max_concurrent_requests = 32
 [[tenants]]
 name = "default"
+api_key_env = ""
 """
 
 T = TypeVar("T")

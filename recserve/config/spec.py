@@ -23,6 +23,14 @@ PLACEMENTS = ("fractions", "budget")
 # gRPC's poll-based I/O path instead of its (experimental-by-default) event engine: a
 # loopback round trip 0.43 -> 0.30 ms in the prototype.
 POLL_IO_EXPERIMENTS = "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints"
+NO_METRICS_PORT = -1  # a metrics_port meaning "this process serves no /metrics"
+
+
+def require_metrics_port(field: str, port: int) -> None:
+    """ConfigError naming ``field`` unless ``port`` is -1 (no metrics server), 0 (a free
+    port) or a TCP port."""
+    _require(isinstance(port, int) and NO_METRICS_PORT <= port <= 65535, field, port,
+             "use -1 (no /metrics server), 0 (a free port) or a TCP port in 1..65535")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +142,10 @@ class ShardServerConfig:
     so an RPC within ``max_ids_per_rpc`` carries at most a few times that many. The
     default, 4 × the default ``max_ids_per_rpc``, leaves that room and caps the sums at
     ≈ 256 MiB for 64-wide rows.
+
+    ``metrics_port``: where the process serves Prometheus ``/metrics`` over HTTP (bound on
+    the gRPC host): 0 = a free port (launchers read it from ``--metrics-port-file``),
+    N > 0 = shard k binds N + k, -1 = no metrics server. ``--metrics-port`` wins over it.
     """
 
     max_ids_per_rpc: int = 262_144
@@ -142,6 +154,7 @@ class ShardServerConfig:
     threads: int = 1
     max_message_bytes: int = 256 << 20
     max_bags_per_rpc: int = 1_048_576
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         _require(self.max_ids_per_rpc > 0, "shard_server.max_ids_per_rpc", self.max_ids_per_rpc, "use a positive id count")
@@ -150,6 +163,7 @@ class ShardServerConfig:
         _require(1 <= self.threads <= 64, "shard_server.threads", self.threads, "use 1..64 threads (2 cores here: keep it at 1-2)")
         _require(self.max_message_bytes >= 4 << 20, "shard_server.max_message_bytes", self.max_message_bytes, "use at least 4 MiB")
         _require(self.max_bags_per_rpc > 0, "shard_server.max_bags_per_rpc", self.max_bags_per_rpc, "use a positive bag count (default 1,048,576)")
+        require_metrics_port("shard_server.metrics_port", self.metrics_port)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,6 +235,10 @@ class RankerConfig:
     INVALID_ARGUMENT: retrying cannot help). ``threads``: torch intra-op threads of the
     forward executor (0 = torch's default; 1 is faster on a shared 2-core box).
     ``default_timeout_ms`` bounds a request that carries no deadline.
+
+    ``metrics_port``: Prometheus ``/metrics`` over HTTP on the gRPC host: 0 = a free port
+    (launchers read it from ``--metrics-port-file``), N > 0 = ranker k binds N + k, -1 =
+    no metrics server. ``--metrics-port`` wins over it.
     """
 
     models: tuple[str, ...] = MODEL_NAMES
@@ -234,6 +252,7 @@ class RankerConfig:
     threads: int = 1
     default_timeout_ms: float = 1000.0
     models_dir: str = ""
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         _require(len(self.models) > 0 and all(m in MODEL_NAMES for m in self.models) and len(set(self.models)) == len(self.models),
@@ -247,6 +266,7 @@ class RankerConfig:
         _require(1 <= self.max_inflight_batches <= 64, "ranker.max_inflight_batches", self.max_inflight_batches, "use 1..64 batches")
         _require(0 <= self.threads <= 64, "ranker.threads", self.threads, "use 0..64 threads (0 = torch's default)")
         _require(self.default_timeout_ms > 0, "ranker.default_timeout_ms", self.default_timeout_ms, "use a positive timeout in ms")
+        require_metrics_port("ranker.metrics_port", self.metrics_port)
 
 
 ROUTING_POLICIES = ("two_choices", "weighted_random", "least_loaded")
@@ -313,6 +333,10 @@ class CascadeConfig:
     recent relative errors as a safety margin (0 = none). A stage skipped for budget
     ``probe_after_skips`` times in a row runs once on a few candidates so that a stale,
     too-high estimate can recover (0 = never probe).
+
+    ``metrics_port``: Prometheus ``/metrics`` over HTTP on the gRPC host: 0 = a free port
+    (launchers read it from ``--metrics-port-file``), N > 0 = that port, -1 = no metrics
+    server. ``--metrics-port`` wins over it.
     """
 
     # Stage output sizes (reference Table 28).
@@ -345,6 +369,8 @@ class CascadeConfig:
     log_path: str = ""  # "" = no serving log
     log_max_bytes: int = 64 << 20  # rotate the log file at this size
     log_backups: int = 3  # rotated files kept
+    # Prometheus /metrics of the cascade process (0 = a free port, -1 = none).
+    metrics_port: int = 0
 
     def __post_init__(self) -> None:
         fixed = (self.l1_out, self.l2_out, self.l3_out)
@@ -372,31 +398,92 @@ class CascadeConfig:
         _require(self.popular_per_category >= 1, "cascade.popular_per_category", self.popular_per_category, "use at least 1 item per category")
         _require(self.log_max_bytes >= 4096, "cascade.log_max_bytes", self.log_max_bytes, "use at least 4096 bytes per log file")
         _require(self.log_backups >= 1, "cascade.log_backups", self.log_backups, "keep at least 1 rotated file")
+        require_metrics_port("cascade.metrics_port", self.metrics_port)
 
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
+    """The HTTP gateway (``recserve gateway serve``, docs/architecture.md §3, "The HTTP gateway").
+
+    * ``host`` / ``port``: where it listens (0 = a free port; ``recserve serve`` prints
+      the URL).
+    * ``timeout_ms``: the longest a request may take; a body's ``deadline_ms`` can only
+      shorten it. The earlier of the two is the absolute deadline sent downstream.
+    * ``max_body_bytes``: a larger request body is refused (400) before it is read whole.
+    * ``max_concurrency``: requests in flight in the process, all tenants together; one
+      more is refused at once with 503 and ``Retry-After`` (the tenant caps are
+      ``[[tenants]] max_concurrent_requests``).
+    * ``api_key_header``: the header carrying a tenant's API key.
+    """
+
     host: str = "127.0.0.1"
-    port: int = 8080
+    port: int = 0
+    timeout_ms: float = 1000.0
+    max_body_bytes: int = 1 << 20
+    max_concurrency: int = 256
+    api_key_header: str = "X-API-Key"
 
     def __post_init__(self) -> None:
         _require(0 <= self.port <= 65535, "gateway.port", self.port, "use a TCP port in 0..65535 (0 = pick a free one)")
+        _require(bool(self.host) and not any(c.isspace() for c in self.host), "gateway.host", self.host, 'use an address of this machine, e.g. "127.0.0.1"')
+        _require(math.isfinite(self.timeout_ms) and 0 < self.timeout_ms <= 600_000, "gateway.timeout_ms", self.timeout_ms, "use a timeout in (0, 600000] ms")
+        _require(1024 <= self.max_body_bytes <= 256 << 20, "gateway.max_body_bytes", self.max_body_bytes, "use 1024..268435456 bytes (default 1 MiB)")
+        _require(1 <= self.max_concurrency <= 1_000_000, "gateway.max_concurrency", self.max_concurrency, "use 1..1000000 requests in flight")
+        _require(_is_token(self.api_key_header), "gateway.api_key_header", self.api_key_header, 'use an HTTP header name of letters, digits and "-", e.g. "X-API-Key"')
+
+
+def _is_token(text: str) -> bool:
+    """Letters, digits, '-', '_' and '.', non-empty: header, tenant and variable names."""
+    return bool(text) and text.replace("-", "").replace("_", "").replace(".", "").isalnum() and text.isascii()
 
 
 @dataclasses.dataclass(frozen=True)
 class TenantConfig:
-    """Per-tenant quotas enforced at admission (reference §10.12)."""
+    """One tenant: who it is and its quotas (reference §10.12).
+
+    * ``api_key_env``: the environment variable holding the tenant's API key, read by the
+      gateway when it starts (the key itself never sits in the spec). ``""`` = no key:
+      such a tenant serves the requests that carry no key header; at most one tenant may
+      be key-less.
+    * ``rate_per_s`` / ``burst``: the gateway's token bucket (requests/s; ``burst``
+      requests may arrive at once, 0 = ``max(1, rate_per_s)``, one second's worth).
+    * ``max_concurrent_requests``: the tenant's requests in flight at the gateway (0 = no
+      cap). Over either quota: 429 with ``Retry-After``.
+    * ``max_concurrent_cost``: the schedulers' per-tenant cost cap (their cost unit).
+    * ``priority``: what its requests are sent downstream with.
+
+    Example::
+
+        [[tenants]]
+        name = "feed"
+        api_key_env = "FEED_API_KEY"
+        rate_per_s = 200.0
+        burst = 50
+        max_concurrent_requests = 32
+    """
 
     name: str
     max_concurrent_cost: float = math.inf
     rate_per_s: float = math.inf
     priority: str = "standard"
+    api_key_env: str = ""
+    burst: float = 0.0
+    max_concurrent_requests: int = 0
 
     def __post_init__(self) -> None:
-        _require(bool(self.name), "tenants[].name", self.name, "give every tenant a name")
+        _require(_is_token(self.name), "tenants[].name", self.name, 'give every tenant a name of letters, digits, "-", "_" or "."')
         _require(self.max_concurrent_cost > 0, f"tenants.{self.name}.max_concurrent_cost", self.max_concurrent_cost, "use a positive cost")
         _require(self.rate_per_s > 0, f"tenants.{self.name}.rate_per_s", self.rate_per_s, "use a positive rate")
         _require(self.priority in PRIORITIES, f"tenants.{self.name}.priority", self.priority, f"use one of {PRIORITIES}")
+        _require(self.api_key_env == "" or (_is_token(self.api_key_env) and not self.api_key_env[0].isdigit() and "-" not in self.api_key_env and "." not in self.api_key_env),
+                 f"tenants.{self.name}.api_key_env", self.api_key_env, 'name an environment variable (letters, digits, "_"), e.g. "FEED_API_KEY", or "" for no key')
+        _require(math.isfinite(self.burst) and self.burst >= 0, f"tenants.{self.name}.burst", self.burst, "use >= 0 requests (0 = one second's worth of rate_per_s)")
+        _require(self.max_concurrent_requests >= 0, f"tenants.{self.name}.max_concurrent_requests", self.max_concurrent_requests, "use >= 0 requests (0 = no cap)")
+
+    @property
+    def bucket_size(self) -> float:
+        """Requests the token bucket holds: ``burst``, or one second of ``rate_per_s`` (at least 1)."""
+        return self.burst if self.burst > 0 else max(1.0, self.rate_per_s)
 
 
 FREE_PORTS = "0"  # a [topology] port range meaning "each process picks a free port"
@@ -514,6 +601,10 @@ class ClusterConfig:
             )
         tnames = [t.name for t in self.tenants]
         _require(len(set(tnames)) == len(tnames), "tenants[].name", tnames, "tenant names must be unique")
+        keyless = [t.name for t in self.tenants if not t.api_key_env]
+        _require(len(keyless) <= 1, "tenants[].api_key_env", keyless, "give every tenant but one an api_key_env: the key-less tenant serves requests without a key")
+        envs = [t.api_key_env for t in self.tenants if t.api_key_env]
+        _require(len(set(envs)) == len(envs), "tenants[].api_key_env", envs, "give each tenant its own key variable")
         # L2 sends up to max(l1_out, k) candidates in one Rank call (k widens the stages).
         widest = max(self.cascade.l1_out, self.cascade.max_k)
         _require(widest <= self.ranker.max_candidates, "cascade.l1_out / cascade.max_k", widest,

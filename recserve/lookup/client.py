@@ -40,6 +40,7 @@ from recserve.lookup.runtime import Runtime
 from recserve.routing import Breakers, HedgeBudget, LatencyTracker
 from recserve.lookup.near_cache import NearCache
 from recserve.lookup.stats import LookupStats
+from recserve.metrics.collectors import LOOKUP as LOOKUP_METRICS
 from recserve.lookup.transport import GrpcShardTransport, ShardTransport
 from recserve.lookup.types import LookupResult
 from recserve.lookup.upsert import send_upsert
@@ -142,6 +143,7 @@ class LookupClient:
         self.runtime.executor = self._executor
         self._loop = ServingLoop(self.scheduler, self._run_window, self.config.lookup.max_inflight_batches, clock=self._clock, name="lookup")
         self._loop.start()
+        LOOKUP_METRICS.track(self.runtime.stats)  # recserve_lookup_*, read at scrape time
 
     async def aclose(self) -> None:
         if self._loop is not None:
@@ -151,6 +153,7 @@ class LookupClient:
         await self.transport.close()
         if self._own_executor and self._executor is not None:
             self._executor.shutdown(wait=True)
+        LOOKUP_METRICS.retire(self.runtime.stats)  # its counts stay in the process's totals
 
     async def __aenter__(self) -> "LookupClient":
         await self.start()

@@ -115,7 +115,10 @@ class WindowRun:
             self.row_deadline[table] = latest
             positions = np.arange(w.unique, dtype=np.int64)
             if self.near_cache is not None and not self.partial:
-                hit, rows, slot = self.near_cache.get(table, w.unique_ids, now, np.bincount(w.inverse, minlength=w.unique))
+                occurrences = np.bincount(w.inverse, minlength=w.unique)  # caller lookups per unique id
+                hit, rows, slot = self.near_cache.get(table, w.unique_ids, now, occurrences)
+                rt.stats.near_cache_lookups += w.occurrences
+                rt.stats.near_cache_hits += int(occurrences[hit].sum())
                 asm.put_cached(positions[hit], rows)
                 self.cache_slot[table] = slot
                 self.cache_version[table] = self.near_cache.versions(table, slot)
@@ -180,6 +183,7 @@ class WindowRun:
         known = self._known(shard)
         if known:
             rt.inflight_ids[shard] += n_ids
+        rt.stats.ids_sent += n_ids
         if is_hedge:
             rt.stats.rpcs_hedge += 1
         else:

@@ -12,7 +12,10 @@ class LookupStats:
     ``ids_requested`` / ``ids_unique``: occurrences asked for vs unique rows per table
     per window (their ratio is the dedup ratio). ``rpcs_primary`` / ``rpcs_hedge``:
     lookup RPCs sent on routing vs as hedges or failover retries (``hedges_denied``:
-    wanted but over budget). ``missing``: id lookups answered with default rows because
+    wanted but over budget); ``ids_sent``: ids those RPCs carried (ids per RPC = ids_sent
+    / all RPCs). ``near_cache_lookups`` / ``near_cache_hits``: callers' id lookups (with
+    repeats) that asked the near cache / that it answered; they survive plan refreshes,
+    which rebuild the cache. ``missing``: id lookups answered with default rows because
     nothing arrived in time. Times are seconds summed over windows: ``prep_s`` (merge,
     dedup, near cache, routing), ``serialise_s`` (packing requests, decoding replies),
     ``rpc_wall_s`` (first send to last needed reply), ``scatter_s`` (rows into the
@@ -27,6 +30,9 @@ class LookupStats:
     ids_fetched: int = 0
     rpcs_primary: int = 0
     rpcs_hedge: int = 0
+    ids_sent: int = 0
+    near_cache_lookups: int = 0
+    near_cache_hits: int = 0
     hedges_denied: int = 0
     rpc_errors: int = 0
     missing: int = 0

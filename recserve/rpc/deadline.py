@@ -11,6 +11,7 @@ import time
 import uuid
 
 from recserve.errors import DeadlineExceeded, InvalidArgument
+from recserve.logs import inherited_request_id
 from recserve.v1 import common_pb2
 
 PRIORITY_NAMES = {
@@ -84,12 +85,15 @@ def make_header(
     priority: str = "standard",
     request_id: str | None = None,
 ) -> common_pb2.RequestHeader:
-    """Build a header for an outgoing request, with ``deadline_unix_ms`` from ``timeout_s``."""
+    """Build a header for an outgoing request, with ``deadline_unix_ms`` from ``timeout_s``.
+    ``request_id`` None / ``""``: the id of the request this call is made for (bound by
+    the server edge, :mod:`recserve.logs`), so every hop's log lines carry one id; a
+    fresh one outside any request."""
     if priority not in PRIORITY_ENUMS:
         raise InvalidArgument(f"priority {priority!r} is not one of {sorted(PRIORITY_ENUMS)}")
     deadline_ms = int((time.time() + timeout_s) * 1000) if timeout_s is not None else 0
     return common_pb2.RequestHeader(
-        request_id=request_id or uuid.uuid4().hex,
+        request_id=request_id or inherited_request_id() or uuid.uuid4().hex,
         tenant=tenant,
         priority=PRIORITY_ENUMS[priority],  # type: ignore[arg-type]
         deadline_unix_ms=deadline_ms,

@@ -48,6 +48,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from recserve.errors import InvalidArgument
+from recserve.logs import REQUEST_ID, bind_request
+from recserve.metrics.interceptor import MetricsInterceptor, metered_handler
 from recserve.rpc.status import abort_with, abort_with_sync
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -79,22 +81,27 @@ def make_server(
     max_message_bytes: int,
     options: Sequence[tuple[str, Any]] = (),
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    metrics: bool = True,
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` whose every method answers malformed request bytes with
-    ``INVALID_ARGUMENT`` naming the method (a :class:`CheckedServer`). ``options`` are
-    added after :func:`server_options`.
+    ``INVALID_ARGUMENT`` naming the method (a :class:`CheckedServer`) and, with
+    ``metrics``, has every call but health and reflection counted and timed
+    (``recserve_rpc_requests_total`` / ``recserve_rpc_latency_seconds``:
+    :mod:`recserve.metrics.interceptor`). ``options`` are added after :func:`server_options`.
 
-    Without ``interceptors`` the handlers are wrapped once, at registration. With them,
-    the wrapping moves into one more interceptor placed outermost
-    (:class:`CheckingInterceptor`): the given interceptors then see the handlers as
+    Without ``interceptors`` the handlers are wrapped once, at registration (metering
+    outermost, so a malformed request is counted too). With them, the wrapping moves
+    into interceptors placed outermost (:class:`~recserve.metrics.interceptor.MetricsInterceptor`,
+    then :class:`CheckingInterceptor`): the given interceptors then see the handlers as
     registered (``request_deserializer`` set; a behaviour they wrap gets the parsed
     message, not raw bytes), and the handler they hand back is the one checked. The
-    interceptor chain already costs a coroutine per RPC; this adds one link to it."""
+    interceptor chain already costs a coroutine per RPC; this adds links to it."""
     server_opts = [*server_options(max_message_bytes), *options]
     if interceptors:
-        inner = grpc.aio.server(interceptors=[CheckingInterceptor(), *interceptors], options=server_opts)
+        outer: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor()] if metrics else []
+        inner = grpc.aio.server(interceptors=[*outer, CheckingInterceptor(), *interceptors], options=server_opts)
         return CheckedServer(inner, check_at_registration=False)
-    return CheckedServer(grpc.aio.server(options=server_opts))
+    return CheckedServer(grpc.aio.server(options=server_opts), metrics=metrics)
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> Health:
@@ -285,6 +292,7 @@ def _unary_async(behavior: Callable[..., Any], deserializer: Deserializer, metho
         except MalformedRequest as exc:
             await abort_with(context, exc)
             raise  # abort raised already; for a context that does not
+        bind_request(request)  # in this RPC's own task: its log lines carry the request id
         return await behavior(request, context)
 
     return handle
@@ -297,6 +305,7 @@ def _unary_stream_async(behavior: Callable[..., Any], deserializer: Deserializer
         except MalformedRequest as exc:
             await abort_with(context, exc)
             raise
+        bind_request(request)
         # aclosing: when the call ends early (cancelled, aborted), the servicer's own
         # generator is closed with this one (its finally blocks run before the RPC's
         # task ends), not later by the event loop's async-generator finaliser.
@@ -314,7 +323,11 @@ def _unary_sync(behavior: Callable[..., Any], deserializer: Deserializer, method
         except MalformedRequest as exc:
             abort_with_sync(context, exc)
             raise
-        return behavior(request, context)
+        token = bind_request(request)
+        try:
+            return behavior(request, context)
+        finally:
+            REQUEST_ID.reset(token)  # a pool thread: the next request on it starts clean
 
     return handle
 
@@ -326,6 +339,7 @@ def _unary_stream_sync(behavior: Callable[..., Any], deserializer: Deserializer,
         except MalformedRequest as exc:
             abort_with_sync(context, exc)
             raise
+        bind_request(request)  # each step may run on another pool thread: bound, not reset
         yield from behavior(request, context)
 
     return stream
@@ -404,21 +418,23 @@ class CheckedServer(grpc.aio.Server):
     server (reflection picks its async servicer that way) treat it as one.
     """
 
-    def __init__(self, inner: grpc.aio.Server, *, check_at_registration: bool = True) -> None:
-        """``check_at_registration=False``: ``inner`` checks elsewhere (its outermost
-        interceptor is a :class:`CheckingInterceptor`); handlers go to it as they are."""
+    def __init__(self, inner: grpc.aio.Server, *, check_at_registration: bool = True, metrics: bool = False) -> None:
+        """``check_at_registration=False``: ``inner`` checks (and meters) elsewhere (its
+        outermost interceptors); handlers go to it as they are. ``metrics``: handlers
+        checked at registration are also metered there (outside the check)."""
         self._inner = inner
         self._check = check_at_registration
+        self._metrics = metrics and check_at_registration
         self.service_names: list[str] = []  # of add_registered_method_handlers (generated code), in order
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         handlers = list(generic_rpc_handlers)
-        self._inner.add_generic_rpc_handlers([CheckedGenericHandler(h) for h in handlers] if self._check else handlers)
+        self._inner.add_generic_rpc_handlers([CheckedGenericHandler(h, metrics=self._metrics) for h in handlers] if self._check else handlers)
 
     def add_registered_method_handlers(self, service_name: str, method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
         if service_name not in self.service_names:
             self.service_names.append(service_name)
-        checked = {name: checked_handler(h, f"/{service_name}/{name}") for name, h in method_handlers.items()} if self._check else dict(method_handlers)
+        checked = {name: _edge(h, f"/{service_name}/{name}", self._metrics) for name, h in method_handlers.items()} if self._check else dict(method_handlers)
         # grpc >= 1.62 (the generated code calls it); grpc-stubs 1.53 predates it.
         self._inner.add_registered_method_handlers(service_name, checked)  # type: ignore[attr-defined]
 
@@ -438,11 +454,19 @@ class CheckedServer(grpc.aio.Server):
         return await self._inner.wait_for_termination(timeout)
 
 
-class _CheckedCache:
-    """:func:`checked_handler` results per (method, handler): generic handlers and
-    interceptors hand out their (static) handlers per RPC; each is wrapped once."""
+def _edge(handler: grpc.RpcMethodHandler, method: str, metrics: bool) -> grpc.RpcMethodHandler:
+    """:func:`checked_handler`, metered outside the check when ``metrics``."""
+    checked = checked_handler(handler, method)
+    return metered_handler(checked, method) if metrics else checked
 
-    def __init__(self) -> None:
+
+class _CheckedCache:
+    """:func:`checked_handler` results (metered too, with ``metrics``) per (method,
+    handler): generic handlers and interceptors hand out their (static) handlers per
+    RPC; each is wrapped once."""
+
+    def __init__(self, metrics: bool = False) -> None:
+        self._metrics = metrics
         self._wrapped: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     def checked(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
@@ -450,7 +474,7 @@ class _CheckedCache:
         hit = self._wrapped.get(key)
         if hit is not None and hit[0] is handler:
             return hit[1]
-        wrapped = checked_handler(handler, method)
+        wrapped = _edge(handler, method, self._metrics)
         if len(self._wrapped) >= _CACHE_LIMIT:
             self._wrapped.clear()
         self._wrapped[key] = (handler, wrapped)  # keeps ``handler`` alive: its id stays unique
@@ -461,9 +485,9 @@ class CheckedGenericHandler(grpc.GenericRpcHandler):
     """A generic handler whose handlers go through :func:`checked_handler`. Generic
     handlers are asked per RPC; the wrapped handler is cached per (method, handler)."""
 
-    def __init__(self, inner: grpc.GenericRpcHandler) -> None:
+    def __init__(self, inner: grpc.GenericRpcHandler, *, metrics: bool = False) -> None:
         self._inner = inner
-        self._cache = _CheckedCache()
+        self._cache = _CheckedCache(metrics)
 
     def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = self._inner.service(handler_call_details)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from recserve.errors import Cancelled, DeadlineExceeded, InternalError, InvalidArgument, RecserveError
 from recserve.scheduling.admission import Admission, AdmissionConfig
@@ -340,6 +340,17 @@ class Scheduler:
                 self._queue.discard(handle)
             self._finish_error(handle, error, ItemStatus.FAILED, now)
         return len(pending)
+
+    def observe_queue_wait(self, observe: Callable[[float], None]) -> None:
+        """Also hand every queue-wait sample (seconds, one per item a batch takes from
+        the queue) to ``observe``, e.g. a Prometheus histogram's (the serving loop's)."""
+        record = self.metrics.queue_wait_s.record
+
+        def both(seconds: float) -> None:
+            record(seconds)
+            observe(seconds)
+
+        self._view.set_record_wait(both)
 
     # ------------------------------------------------------------------ reads
     @property

@@ -16,6 +16,10 @@ asyncio event loop and runs its batches (docs/architecture.md §6).
   partial outputs; cancelling the awaiting task (or the future) cancels the item.
 - ``start()`` / ``aclose()`` are explicit; ``aclose()`` drains what is queued, or with
   ``drain=False`` fails it with UNAVAILABLE. Batches already running always finish.
+- Metrics, label ``loop`` = ``name`` (:mod:`recserve.metrics.catalog`): batch size (one
+  observation per batch) and queue wait (one per item taken from the queue) are
+  histograms observed here; queue depth and the cancelled / expired counts are read
+  from the scheduler at scrape time, from ``start()`` on (a closed loop's counts stay).
 
 All scheduler calls happen on the event loop thread, so the core needs no locks.
 """
@@ -32,7 +36,10 @@ import time
 from typing import Any, Awaitable, Callable, Sequence, Union
 
 from recserve.errors import ConfigError, FailedPrecondition, InternalError, RecserveError, Unavailable
+from recserve.metrics import catalog
+from recserve.metrics.collectors import SCHEDULERS
 from recserve.scheduling.core import Scheduler
+from recserve.scheduling.metrics import DropReason
 from recserve.scheduling.types import Batch, Handle, Priority, Resolution, WorkItem
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,10 @@ AsyncRunner = Callable[[Batch], Awaitable[Sequence[Any]]]
 Runner = Union[SyncRunner, AsyncRunner]
 
 _END = object()  # end-of-stream marker in a partials queue
+
+
+def _ignore(value: float) -> None:
+    pass
 
 
 class _ItemFuture(asyncio.Future[Any]):
@@ -148,6 +159,7 @@ class ServingLoop:
         self._closing = False
         self._drain = True
         self._broken: BaseException | None = None
+        self._observe_batch: Callable[[float], None] = _ignore
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -156,6 +168,9 @@ class ServingLoop:
             raise FailedPrecondition(f"serving loop {self.name!r} was already started")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
+        self._observe_batch = catalog.SCHEDULER_BATCH_SIZE.labels(self.name).observe
+        self.scheduler.observe_queue_wait(catalog.SCHEDULER_QUEUE_WAIT.labels(self.name).observe)
+        SCHEDULERS.track(self, self.name, self._metric_reading)
         if self._own_executor:
             self._executor = concurrent.futures.ThreadPoolExecutor(self.max_inflight, thread_name_prefix=f"recserve-{self.name}")
         self._driver = self._loop.create_task(self._drive(), name=f"recserve-{self.name}-loop")
@@ -175,6 +190,13 @@ class ServingLoop:
             await asyncio.wait(set(self._tasks))  # wait, unlike gather, never cancels them
         if self._own_executor and self._executor is not None:
             self._executor.shutdown(wait=True)
+        SCHEDULERS.retire(self)
+
+    def _metric_reading(self) -> dict[str, float]:
+        """Queue depth and drops for ``/metrics`` (read on the scrape thread: plain reads)."""
+        sched = self.scheduler
+        drops = sched.metrics.drops
+        return {"queue_depth": sched.queued_count, "cancelled": drops[DropReason.CANCELLED], "expired": drops[DropReason.DEADLINE]}
 
     async def __aenter__(self) -> ServingLoop:
         self.start()
@@ -278,6 +300,7 @@ class ServingLoop:
                     batch = sched.schedule(now, flush=self._closing)
                     if batch is None:
                         break
+                    self._observe_batch(len(batch.handles))
                     task = loop.create_task(self._run(batch))
                     self._tasks.add(task)
                 if self._closing and sched.idle and not self._tasks:

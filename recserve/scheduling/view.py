@@ -139,6 +139,10 @@ class CoreView:
     def peek(self) -> Handle | None:
         return self._queue.peek()
 
+    def set_record_wait(self, record_wait: Callable[[float], None]) -> None:
+        """Replace the queue-wait recorder (the core adds an exporter's to its own)."""
+        self._record_wait = record_wait
+
     # batch building
     def take(self) -> Handle:
         try:

@@ -56,6 +56,8 @@ def test_demo_runs_catalog_and_lookups_end_to_end() -> None:
     for key in ("dlrm_auc", "l3_auc", "ground_truth_auc", "popularity_auc", "two_tower_recall_at_100", "popularity_recall_at_100"):
         assert key in out.stdout  # the metrics table of the tiny trained model set
     assert "degraded    0 callers" in out.stdout
+    http = out.stdout.split("== one recommendation over HTTP (recserve gateway serve) ==\n")[1]  # through the gateway
+    assert "curl -s -X POST http://127.0.0.1:" in http and len(http.split("items [")[1].split("]")[0].split(",")) == 5
     ratio = float(out.stdout.split("dedup ratio ")[1].split()[0])
     assert ratio > 1.0
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import queue
 import re
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,6 +53,7 @@ STOP_TIMEOUT_S = 60.0
 # for ever, so a generous bound cannot hide a bug.
 ORPHAN_BOUND_S = 10.0
 ENDPOINT = re.compile(r"^gRPC (\w+) at (\S+) \((\w+) (\d+), pid (\d+), log (.+)\)$")
+GATEWAY_LINE = re.compile(r"^HTTP gateway at (http://\S+) \(pid (\d+), log (.+)\)$")
 STAGES = "l0_out = 400\nl1_out = 256\nl2_out = 50\nl3_out = 10\n"  # L1 output and max_k fit one Rank (MAX_CANDIDATES)
 HEALTH_SERVICE = {"EmbeddingShard": "", "Ranking": "recserve.v1.Ranking", "Recommender": "recserve.v1.Recommender"}
 
@@ -210,6 +213,15 @@ def test_serve_reports_ready_answers_and_leaves_no_child_on_sigterm(world: Ranke
     assert serving.lines[-1] == READY_LINE and serving.lines.count(READY_LINE) == 1
     pids = {e.pid for e in serving.endpoints}
     assert len(pids) == len(want) and pids <= _group_members(serving.proc.pid)  # live children of this serve
+    gateways = [m for m in map(GATEWAY_LINE.match, serving.lines) if m]
+    if CASCADE:  # the HTTP gateway starts last, on the cascade: printed, a child, answering
+        assert len(gateways) == 1 and serving.lines.index(gateways[0][0]) == len(serving.lines) - 2, serving.lines
+        assert int(gateways[0][2]) in _group_members(serving.proc.pid)
+        http_ask = urllib.request.Request(gateways[0][1] + "/v1/recommendations", data=json.dumps({"user_id": 3, "k": 5}).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(http_ask, timeout=RPC_TIMEOUT_S) as reply:
+            http_answer = json.loads(reply.read())
+        assert len(set(http_answer["item_ids"])) == 5 and http_answer["model_version"] == world.export.model_version
     # Ready means every child says SERVING itself.
     for e in serving.endpoints:
         assert _health(e.address, HEALTH_SERVICE[e.service]) == health_pb2.HealthCheckResponse.SERVING, e

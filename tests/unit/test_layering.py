@@ -45,7 +45,9 @@ CORE = (
     "recserve.routing",
     "recserve.rpc",
     "recserve.client",
+    "recserve.metrics",
     "recserve.errors",
+    "recserve.logs",
     "recserve.v1",
 )
 SERVERS = ("embedding_server", "ranker", "cascade", "generation")

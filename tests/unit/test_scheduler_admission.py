@@ -107,7 +107,7 @@ def test_tenant_rate_token_bucket_on_the_passed_in_clock() -> None:
 
 
 def test_default_tenant_quota_applies_to_each_unlisted_tenant_separately() -> None:
-    adm = AdmissionConfig(default_tenant=TenantConfig("*", max_concurrent_cost=2.0))
+    adm = AdmissionConfig(default_tenant=TenantConfig("unlisted", max_concurrent_cost=2.0))
     sched = scheduler(adm)
     for tenant in ("x", "y"):
         sched.add(item(f"{tenant}1", tenant=tenant), 0.0)

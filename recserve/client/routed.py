@@ -1,0 +1,283 @@
+"""The routed unary call every recserve client makes: one replica set, one router, one
+retry loop (docs/architecture.md §9). :class:`~recserve.client.RankingClient` and
+:class:`~recserve.client.RecClient` are thin typed layers over :class:`RoutedCalls`.
+
+One call (:meth:`RoutedCalls.call`):
+
+1. ``router.pick(now, cost=C)`` chooses a replica by power of two choices on in-flight
+   cost, skipping replicas whose breaker is open;
+2. the RPC carries the remaining deadline twice: as the gRPC timeout and as
+   ``header.deadline_unix_ms`` (:func:`recserve.rpc.deadline.make_header`), so the
+   server sees it whichever way it reads it; every attempt carries the same
+   ``header.request_id``, so the servers' log lines of one call join up;
+3. ``router.on_result`` reports the status (feeding the breaker and the work signal);
+4. a retryable status (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) is retried on
+   another replica while the deadline has time left and ``router.can_retry`` grants a
+   token from the shared retry budget (retries stay within ``retry_budget`` x primary
+   calls + ``retry_burst``, whatever fails). Any other status is final and raised at once.
+   Only idempotent methods (reads: Rank, EmbedUser, Recommend) go through here.
+
+Failures surface as the :class:`~recserve.errors.RecserveError` of the server's status
+(:func:`recserve.rpc.status.error_from_code`: the status crosses the hop unchanged), the
+message naming the replica and the method, with ``retry_after_s`` from the server's
+``retry-after-ms`` trailer. When no replica can take the call the router's
+:class:`~recserve.errors.Unavailable` (with ``retry_after_s``) propagates. Cancelling the
+caller cancels the RPC and reports CANCELLED to the router (no verdict on the replica's
+health).
+
+Stubs are injected (``stub_factory``) so unit tests drive the loop with fake stubs and a
+fake clock, no sockets; by default one grpc.aio channel is opened per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from recserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
+from recserve.logs import inherited_request_id
+from recserve.lookup.transport import channel_options
+from recserve.routing import Router, RoutingConfig, is_retryable
+from recserve.rpc.deadline import make_header
+from recserve.rpc.status import error_from_code
+from recserve.v1 import common_pb2
+
+__all__ = ["CallStats", "RoutedCalls", "StubFactory", "ids_arg", "retry_after_s", "verdict"]
+
+# address -> stub (an object whose method attributes are grpc.aio unary-unary callables).
+StubFactory = Callable[[str], Any]
+
+
+@dataclasses.dataclass
+class CallStats:
+    """Counters since the client was built (all calls, every method)."""
+
+    attempts: int = 0  # RPCs sent, retries included
+    retries: int = 0  # attempts after the first, granted by the retry budget
+    retries_refused_by_budget: int = 0  # retryable failures raised because no token was left
+
+
+def ids_arg(array: np.ndarray | Sequence[int], field: str) -> np.ndarray:
+    """int64 [N] from an integer array argument; a float or 2-D array is a caller bug,
+    named here rather than truncated or flattened silently."""
+    a = np.asarray(array)
+    if a.ndim != 1:
+        raise InvalidArgument(f"{field} has shape {list(a.shape)}; pass a 1-D int64 array [N]")
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+        raise InvalidArgument(f"{field} has dtype {a.dtype.name}; pass integer item ids (int64)")
+    return np.ascontiguousarray(a, dtype=np.int64)
+
+
+def retry_after_s(error: grpc.aio.AioRpcError) -> float | None:
+    """The server's ``retry-after-ms`` trailer (set by :func:`recserve.rpc.status.abort_with`)."""
+    trailers = error.trailing_metadata()
+    value = trailers.get("retry-after-ms") if isinstance(trailers, grpc.aio.Metadata) else None
+    try:
+        return float(value) / 1e3 if value is not None else None
+    except (TypeError, ValueError):
+        return None  # a malformed hint is no hint
+
+
+def verdict(code: grpc.StatusCode, timeout_s: float | None, usual_s: float) -> grpc.StatusCode:
+    """The status the router should judge the replica by. A DEADLINE_EXCEEDED on a call
+    whose whole timeout was shorter than the replica's usual latency (its hedge-delay
+    percentile) says the caller's budget was tight, not that the replica is sick: the
+    cascade's stages set such deadlines on purpose, and three of them must not open a
+    healthy ranker's breaker. It is reported as CANCELLED (no verdict; the time waited
+    still feeds the latency estimate)."""
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout_s is not None and timeout_s < usual_s:
+        return grpc.StatusCode.CANCELLED
+    return code
+
+
+class RoutedCalls:
+    """Channels, router and retry loop for one replica set of one gRPC service.
+
+    Args:
+        addresses: ``host:port`` of each replica (distinct).
+        stub_class: the generated stub (``ranking_pb2_grpc.RankingStub``), built on each channel.
+        service: the full service name (``"recserve.v1.Ranking"``): the health check's
+            service, and the name clients use in ``FailedPrecondition`` messages.
+        what: the replica's kind in messages (``"ranker"``, ``"recommender"``).
+        config: the routing section of the spec (two choices, breakers, retry budget).
+        rng: random generator for two choices (inject a seeded one in tests).
+        clock: monotonic seconds; the router's clock and the timeline of deadlines. gRPC
+            timeouts are the differences ``deadline - clock()``, so a fake clock must
+            tick in seconds.
+        max_message_bytes: send / receive limit per channel.
+        stub_factory: address -> stub, replacing the channels (tests: fake stubs; no
+            channel is opened, so :meth:`check_ready` reports every replica not ready).
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        stub_class: Callable[[grpc.aio.Channel], Any],
+        *,
+        service: str,
+        what: str,
+        config: RoutingConfig = RoutingConfig(),
+        rng: np.random.Generator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_message_bytes: int = 64 << 20,
+        stub_factory: StubFactory | None = None,
+    ) -> None:
+        self.router = Router(addresses, config, rng=rng)
+        self.addresses = self.router.replicas
+        self.service = service
+        self.what = what
+        self.stats = CallStats()
+        self.clock = clock
+        self._stub_class = stub_class
+        self._stub_factory = stub_factory
+        self._options = channel_options(max_message_bytes)
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, Any] = {}
+
+    # ---- lifecycle ----------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return bool(self._stubs)
+
+    async def start(self) -> None:
+        """Open one channel per replica (inside the running loop: grpc.aio binds a
+        channel to the loop that made it). Connecting is lazy, so a replica that is down
+        now costs nothing until it is picked."""
+        if self._stubs:
+            return
+        for address in self.addresses:
+            if self._stub_factory is not None:
+                self._stubs[address] = self._stub_factory(address)
+                continue
+            channel = grpc.aio.insecure_channel(address, options=self._options)
+            self._channels[address] = channel
+            self._stubs[address] = self._stub_class(channel)
+
+    async def aclose(self) -> None:
+        """Close every channel; RPCs still out end CANCELLED."""
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._stubs.clear()
+        await asyncio.gather(*(c.close(None) for c in channels))
+
+    async def check_ready(self, timeout_s: float = 1.0) -> dict[str, bool]:
+        """address -> whether the replica reports :attr:`service` SERVING on gRPC health
+        within ``timeout_s`` (checked concurrently; a refusal or a timeout is False)."""
+        request = health_pb2.HealthCheckRequest(service=self.service)
+
+        async def one(address: str) -> bool:
+            channel = self._channels.get(address)
+            if channel is None:
+                return False
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout_s)
+            except grpc.aio.AioRpcError:
+                return False
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+        answers = await asyncio.gather(*(one(a) for a in self.addresses))
+        return dict(zip(self.addresses, answers, strict=True))
+
+    # ---- the routed call ----------------------------------------------------------
+
+    def deadline(self, timeout_s: float | None, deadline: float | None) -> float:
+        """The call's deadline on :attr:`clock` (``math.inf``: none): the earlier of
+        ``deadline`` and now + ``timeout_s``."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise InvalidArgument(f"timeout_s is {timeout_s}; use a positive number of seconds (or None for no deadline)")
+        out = math.inf if deadline is None else deadline
+        if timeout_s is not None:
+            out = min(out, self.clock() + timeout_s)
+        return out
+
+    async def call(
+        self,
+        method: str,
+        build: Callable[[common_pb2.RequestHeader], Any],
+        *,
+        cost: float,
+        deadline: float,
+        tenant: str,
+        priority: str,
+        request_id: str = "",
+        client: str = "client",
+    ) -> tuple[Any, str, int]:
+        """Send ``method`` (built per attempt by ``build(header)``) through the router
+        until it answers, fails for good, the deadline passes or the retry budget
+        refuses. ``request_id`` ``""``: the bound one (:mod:`recserve.logs`), else a
+        fresh one. ``client`` names the caller in the not-started message. Returns
+        (reply, replica, attempts)."""
+        if not self._stubs:
+            raise FailedPrecondition(f"{client}.{method}: the client is not started; call await start() (or use async with)")
+        router = self.router
+        # One id across attempts, so the servers' logs join them: the caller's, else the
+        # request this call is made for (a cascade calling rankers), else a fresh one.
+        request_id = request_id or inherited_request_id() or uuid.uuid4().hex
+        retry_of: str | None = None
+        failure = ""  # the last failed attempt, for the message
+        attempts = 0
+        while True:
+            now = self.clock()
+            remaining = deadline - now
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"{self.what} {method}: the deadline passed {-remaining * 1e3:.1f} ms ago"
+                    + (f", after {attempts} attempts (last on {retry_of})" if attempts else ", before the first attempt")
+                )
+            try:
+                replica = router.pick(now, cost=cost, retry_of=retry_of)
+            except Unavailable as exc:  # every breaker open: fail fast, naming the first failure
+                if retry_of is None:
+                    raise
+                raise Unavailable(f"{exc.message}; after {failure}", retry_after_s=exc.retry_after_s) from None
+            attempts += 1
+            self.stats.attempts += 1
+            self.stats.retries += retry_of is not None
+            timeout = None if math.isinf(remaining) else remaining
+            request = build(make_header(timeout_s=timeout, tenant=tenant, priority=priority, request_id=request_id))
+            rpc = getattr(self._stubs[replica], method)(request, timeout=timeout)
+            # Anything escaping the await other than a status (the caller's cancellation,
+            # the channel closed under us) is no verdict on the replica: CANCELLED.
+            code = grpc.StatusCode.CANCELLED
+            try:
+                reply = await rpc
+                code = grpc.StatusCode.OK
+                return reply, replica, attempts
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                failure = f"{self.what} {replica}: {method}: {code.name}: {exc.details() or ''}"
+                retry_after = retry_after_s(exc)
+            except asyncio.CancelledError:
+                rpc.cancel()
+                raise
+            finally:
+                end = self.clock()
+                router.on_result(replica, verdict(code, timeout, router.hedge_delay(replica)), end - now, end, cost=cost)
+            refusal = self._why_not_retry(code, deadline)
+            if refusal is not None:
+                error = error_from_code(code, failure + refusal)
+                error.retry_after_s = retry_after
+                raise error
+            retry_of = replica
+
+    def _why_not_retry(self, code: grpc.StatusCode, deadline: float) -> str | None:
+        """None when a failed attempt may be retried (a budget token is then spent),
+        else what to add to its error message ("" when the status says it all)."""
+        if not is_retryable(code):
+            return ""  # the answer of a healthy replica: retrying cannot change it
+        if deadline - self.clock() <= 0:
+            return " (not retried: the deadline has passed)"
+        if not self.router.can_retry(code):
+            self.stats.retries_refused_by_budget += 1
+            return " (not retried: the retry budget is spent)"
+        return None

@@ -43,6 +43,9 @@ from generation.model import AttnGroup, DecodeGroup, PagedStep, TinyDecoder, res
 from generation.types import GenerationRequest, SequenceState
 
 
+_SEED_MASK = (1 << 64) - 1  # a negative int64 seed -> its two's-complement entropy
+
+
 class DecodeEngine:
     """Runs continuous-batching steps of ``model`` over ``cache`` (see the module doc)."""
 
@@ -84,6 +87,10 @@ class DecodeEngine:
             logits = self.model.forward_paged(step, self.cache)
             finite = torch.isfinite(logits).all(dim=1).cpu().numpy()
             next_tokens = logits.argmax(dim=1).cpu().numpy()
+            rows = [(h, st) for h, st, samples in zip(handles, states, sampled) if samples]  # logits row order
+            temps = np.array([h.item.payload.temperature for h, _ in rows], dtype=np.float64)
+            if temps.size and temps.max() > 0:
+                self._sample(logits, next_tokens, temps, rows)
         self.steps += 1
         self.tokens_computed += int(step.tokens.shape[0])
         outcomes: list[Outcome] = []
@@ -102,6 +109,24 @@ class DecodeEngine:
                 continue
             outcomes.append(self._emit(h, state, token))
         return outcomes
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, next_tokens: np.ndarray, temps: np.ndarray, rows: list[tuple[Handle, SequenceState]]) -> None:
+        """Replace the greedy ``next_tokens`` ([S] int64) of the rows whose temperature
+        ``temps`` ([S]) is > 0 by a sample from softmax(logits / T) ([S, V] logits): the
+        Gumbel-max trick, argmax(logits / T + g), with the noise ``g`` drawn from (the
+        request's seed, the position being generated). So a row's draw depends on neither
+        its batch neighbours nor the step it lands in, and a preempted sequence recomputes
+        the same tokens; the same seed gives the same text."""
+        hot = np.flatnonzero(temps > 0)
+        dev = logits.device
+        scaled = (logits.index_select(0, torch.from_numpy(hot).to(dev)).double()
+                  / torch.from_numpy(temps[hot]).to(dev)[:, None]).cpu().numpy()  # [H, V]
+        vocab = scaled.shape[1]
+        noise = np.stack([  # per sampling sequence (not per token): one V-wide draw each
+            np.random.default_rng((rows[i][0].item.payload.seed & _SEED_MASK, rows[i][1].length)).gumbel(size=vocab) for i in hot
+        ])
+        next_tokens[hot] = (scaled + noise).argmax(axis=1)
 
     @staticmethod
     def _emit(h: Handle, state: SequenceState, token: int) -> Outcome:

@@ -5,6 +5,7 @@ steps, and what it gets back. ``GenerationRequest`` is the scheduler ``WorkItem.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -19,12 +20,17 @@ class GenerationRequest:
     compute budget (reference §10.6.9): generation stops there whatever the model says,
     and KV admission plans for it. ``stop_token``: greedy decoding ends after emitting it
     (None: never). ``stop_after``: benchmarks only — end after this many tokens, standing
-    in for an EOS the random-weight model would not produce; the scheduler never reads it."""
+    in for an EOS the random-weight model would not produce; the scheduler never reads it.
+    ``temperature``: 0 = greedy (argmax); > 0 samples from softmax(logits / temperature)
+    with Gumbel noise drawn from (``seed``, position), so a sequence's tokens do not depend
+    on its batch neighbours and a preempted sequence recomputes the same tokens."""
 
     prompt: np.ndarray
     max_new_tokens: int
     stop_token: int | None = None
     stop_after: int | None = None
+    temperature: float = 0.0
+    seed: int = 0
 
     def __post_init__(self) -> None:
         p = self.prompt
@@ -35,6 +41,8 @@ class GenerationRequest:
             )
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise InvalidArgument(f"max_new_tokens = {self.max_new_tokens!r} must be an integer >= 1")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidArgument(f"temperature = {self.temperature!r} is invalid: use a finite value >= 0 (0 = greedy)")
         if self.stop_after is not None and not 1 <= self.stop_after <= self.max_new_tokens:
             raise InvalidArgument(f"stop_after = {self.stop_after!r} must be in 1..max_new_tokens ({self.max_new_tokens})")
 

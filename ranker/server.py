@@ -14,6 +14,13 @@ Start-up order, so readiness is honest:
 
 SIGTERM / SIGINT: health NOT_SERVING, in-flight RPCs get a grace period, then the lookup
 client and executors close.
+
+Co-location (``[generation] co_locate``; ``recserve ranker serve --with-generation``): the
+composition root hands :func:`serve` the critical lane of a shared
+:class:`~recserve.scheduling.device.DeviceExecutor` for the forwards and a
+:class:`Colocated` service (Generation, on the best-effort lane of the same executor)
+that registers on this server, loads after the ranker and reports SERVING with it. The
+ranker package never imports the generation one: the caller composes them.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
+from typing import Protocol
 
 import grpc
 import numpy as np
@@ -68,6 +77,24 @@ class RankerProcessConfig:
     admin_token: str = ""
     metrics_port: int = 0  # Prometheus /metrics on host (0 = a free port, -1 = none)
     metrics_port_file: str = ""  # the bound metrics port is written here before gRPC listens
+
+
+class Colocated(Protocol):
+    """A second service served by the ranker process on its device (see the module doc)."""
+
+    @property
+    def services(self) -> Sequence[str]:
+        """Its gRPC service names: health and reflection list them with the ranker's."""
+        ...
+
+    def register(self, server: grpc.aio.Server) -> None:
+        """Add its servicers to ``server`` (before it starts)."""
+
+    async def load(self) -> None:
+        """Load and start it (after the ranker has loaded, before health says SERVING)."""
+
+    async def aclose(self) -> None:
+        """Drain and close it (after the server stopped; also when it never loaded)."""
 
 
 def _context(header: common_pb2.RequestHeader, context: grpc.aio.ServicerContext, core: RankingCore) -> RequestContext:
@@ -180,27 +207,46 @@ async def shard_state(addresses: Sequence[str]) -> tuple[ShardingPlan, dict[str,
     return plan, versions_from_shard_info(infos)
 
 
-async def _load(config: RankerProcessConfig) -> RankingCore:
+async def _load(config: RankerProcessConfig, executor: Executor | None = None, colocated: Colocated | None = None) -> RankingCore:
     await wait_until_serving(config.shard_addresses, what="shard", timeout_s=SHARD_WAIT_S)
     plan, reported = await shard_state(config.shard_addresses)
     models = await open_model_set(config.cluster, config.models_dir, config.shard_addresses, plan=plan, reported=reported)
-    return RankingCore(config.cluster.ranker, models)
+    core = RankingCore(config.cluster.ranker, models, executor=executor)
+    if colocated is not None:
+        try:
+            await colocated.load()
+        except BaseException:
+            await core.aclose()  # its lookup client is running; serve_loaded never got the core
+            raise
+    return core
 
 
-async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None) -> None:
+async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None, *, executor: Executor | None = None,
+                colocated: Colocated | None = None) -> None:  # fmt: skip
     """Run one ranker until ``stop`` is set or SIGTERM / SIGINT arrives (listening, and
-    NOT_SERVING, while it waits for its shards and loads: :func:`serve_loaded`)."""
+    NOT_SERVING, while it waits for its shards and loads: :func:`serve_loaded`).
+    ``executor`` runs the forwards (default: the core's own thread); ``colocated`` is
+    served beside Ranking (see the module doc)."""
     # /metrics first: its port file is written before the gRPC one, which launchers wait for.
     start_and_record(config.host, config.metrics_port, config.metrics_port_file)
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
     slot: Slot[RankingCore] = Slot("ranker (models and shard tables)")
     ranking_pb2_grpc.add_RankingServicer_to_server(RankingServicer(slot), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(slot, config), server)
-    health = await add_health_and_reflection(server, [RANKING_SERVICE, ADMIN_SERVICE])
+    services = [RANKING_SERVICE, ADMIN_SERVICE]
+    if colocated is not None:
+        colocated.register(server)
+        services += list(colocated.services)
+    health = await add_health_and_reflection(server, services)
 
     def ready(core: RankingCore, port: int) -> None:
         core.start()
-        log.info("ranker SERVING on %s:%d: models %s, model_version %s", config.host, port, list(core.current.models), core.current.version)
+        log.info("ranker SERVING on %s:%d: models %s, model_version %s%s", config.host, port, list(core.current.models), core.current.version,
+                 f", co-located with {list(colocated.services)}" if colocated is not None else "")  # fmt: skip
 
-    await serve_loaded(server, health, [RANKING_SERVICE, ADMIN_SERVICE], slot, lambda: _load(config), what="ranker", host=config.host,
-                       port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S)  # fmt: skip
+    try:
+        await serve_loaded(server, health, services, slot, lambda: _load(config, executor, colocated), what="ranker", host=config.host,
+                           port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S)  # fmt: skip
+    finally:
+        if colocated is not None:  # the server has stopped: no new streams; drain what runs
+            await colocated.aclose()

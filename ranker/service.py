@@ -28,10 +28,11 @@ old one once the batches that pinned it have finished.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,7 @@ from recserve.lookup.client import LookupClient
 from recserve.lookup.config import LookupClientConfig
 from recserve.lookup.types import LookupResult
 from recserve.scheduling import Batch, Done, DynamicBatchConfig, DynamicBatchPolicy, Failed, Scheduler, ServingLoop
+from recserve.scheduling.device import LaneExecutor
 from recserve.sharding.plan import ShardingPlan
 
 log = logging.getLogger(__name__)
@@ -163,16 +165,23 @@ async def open_model_set(cluster: ClusterConfig, models_dir: str | Path, shard_a
 
 
 class RankingCore:
-    """Validates, batches and scores requests on the current :class:`ModelSet`."""
+    """Validates, batches and scores requests on the current :class:`ModelSet`.
 
-    def __init__(self, config: RankerConfig, models: ModelSet) -> None:
+    ``executor`` runs the forwards (default: a thread of its own). A ranker co-located
+    with a decoder on one device gets the critical lane of the process's
+    :class:`~recserve.scheduling.device.DeviceExecutor` here, so its batches go before
+    decode steps — from the moment a batch starts its lookups (it is announced), not only
+    once its forward is queued; the executor's owner shuts it down."""
+
+    def __init__(self, config: RankerConfig, models: ModelSet, *, executor: Executor | None = None) -> None:
         self.config = config
         self.current = models
         self.reloads = 0
         if config.threads:
             torch.set_num_threads(config.threads)
         self.device = resolve_device(config.device)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="ranker-forward")
+        self._own_executor = executor is None
+        self._executor = executor if executor is not None else ThreadPoolExecutor(1, thread_name_prefix="ranker-forward")
         self._loops: dict[str, ServingLoop] = {}
         self._adding = asyncio.Lock()
         self.forwards = 0  # batches run (each one forward)
@@ -196,7 +205,8 @@ class RankingCore:
         for loop in self._loops.values():
             await loop.aclose()
         await self.current.client.aclose()
-        self._executor.shutdown(wait=True)
+        if self._own_executor:
+            self._executor.shutdown(wait=True)
 
     async def reload(self, new: ModelSet) -> ModelSet:
         """Serve ``new`` from now on; returns the old set once its pinned batches have
@@ -288,14 +298,17 @@ class RankingCore:
     async def _run(self, batch: Batch) -> list[Done | Failed]:
         ms = self.current  # pinned: a reload mid-batch does not change what this batch reads
         ms.pin()
+        # On a shared device, decode yields to this batch from its lookups to its forward's end.
+        held = self._executor.announced() if isinstance(self._executor, LaneExecutor) else contextlib.nullcontext()
         try:
-            queries: list[Query] = batch.payloads
-            lay = B.layout(ms.export.arrays, queries)
-            deadline = min(h.deadline for h in batch.handles)
-            model = ms.models[queries[0].model]
-            looked = await self._lookup(ms, model, lay, deadline)
-            loop = asyncio.get_running_loop()
-            answers = await loop.run_in_executor(self._executor, self._forward, ms, model, queries, lay, looked)
+            with held:
+                queries: list[Query] = batch.payloads
+                lay = B.layout(ms.export.arrays, queries)
+                deadline = min(h.deadline for h in batch.handles)
+                model = ms.models[queries[0].model]
+                looked = await self._lookup(ms, model, lay, deadline)
+                loop = asyncio.get_running_loop()
+                answers = await loop.run_in_executor(self._executor, self._forward, ms, model, queries, lay, looked)
             self.forwards += 1
             self.requests += len(answers)
             return [Done(a) for a in answers]

@@ -16,8 +16,12 @@
    scores, and check the DLRM answer against the in-process model.
 5. Start the cascade (``recserve cascade serve``) over the shards and the ranker and send
    a few ``Recommend`` calls; print each user's items, scores and stage reports.
-6. Start the HTTP gateway (``recserve gateway serve``) on the cascade and the ranker and
-   send one ``POST /v1/recommendations``, printing the equivalent ``curl``.
+6. Train the small explanation LM (:mod:`generation.train`) on the catalog's templated
+   text, serve it (``recserve generate serve``), start the HTTP gateway (``recserve
+   gateway serve``) on the cascade, the ranker and the generation replica, send one
+   ``POST /v1/recommendations`` (printing the equivalent ``curl``), then stream an
+   explanation for its top item from ``POST /v1/generate``, printing each token as its
+   server-sent event arrives.
 
 Later issues extend it until it serves the whole cascade.
 """
@@ -73,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary(summarize(catalog)))
         print("== models trained on the scrubbed catalog, judged against its ground truth ==")
         report = _train(root, args)
+        print("== the explanation LM, trained on the catalog's templated text ==")
+        print(_train_lm(root, catalog, args))
         print("== feature-parallel DLRM lookups through real shard servers ==")
         lookups = _lookup_demo(cluster, report, Path(tmp), args)
         print(
@@ -94,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         print(ranked["recommendations"])
         print("== one recommendation over HTTP (recserve gateway serve) ==")
         print(ranked["http"])
-        ok = lookups["pooled_matches_torchrec"] and lookups["scores_match"] and lookups["degraded_callers"] == 0 and ranked["matches"]
+        ok = (lookups["pooled_matches_torchrec"] and lookups["scores_match"] and lookups["degraded_callers"] == 0 and ranked["matches"]
+              and ranked["explained"])
         return 0 if ok else 1
 
 
@@ -111,6 +118,33 @@ def _train(root: Path, args: argparse.Namespace) -> Any:
     print(format_metrics(report.metrics, report.seconds))
     print(f"models      {root / 'models'} (model_version {report.manifest['model_version']}, trained on {report.device})")
     return report
+
+
+# Small enough to train in ~10 s on one core; it learns the corpus's templates (not the
+# catalog's facts), which is what an explanation streamed token by token needs to show.
+LM_STEPS = 300
+LM_WINDOW = 64  # tokens per training window
+
+
+def _train_lm(root: Path, catalog: Any, args: argparse.Namespace) -> str:
+    """Train the demo's explanation LM on templated lines about the catalog; save it to ``root/lm``."""
+    import time
+
+    import numpy as np
+    import torch
+
+    from generation.config import ModelConfig
+    from generation.train import TrainConfig, catalog_corpus, save_checkpoint, train_lm
+
+    shape = ModelConfig(n_layers=2, n_heads=4, dim=64, max_seq_len=256)
+    corpus = catalog_corpus(catalog.item_category, catalog.item_tags, catalog.user_history, rng=np.random.default_rng(args.seed), items=2000, users=500)
+    torch.set_num_threads(1)  # as the rankers' training: a second thread spins against everything else on a 2-core box
+    started = time.perf_counter()
+    model, losses = train_lm(corpus, shape, TrainConfig(steps=LM_STEPS, batch=16, seq_len=LM_WINDOW, seed=args.seed))
+    seconds = time.perf_counter() - started
+    version = save_checkpoint(root / "lm", model, {"train_seconds": round(seconds, 1), "final_loss": float(np.mean(losses[-20:]))})
+    return (f"lm          {root / 'lm'} ({shape.n_layers} layers x {shape.dim}, {LM_STEPS} steps in {seconds:.0f} s; "
+            f"loss {losses[0]:.2f} -> {float(np.mean(losses[-20:])):.2f} nats/byte; model_version {version})")  # fmt: skip
 
 
 def _lookup_demo(cluster: Any, report: Any, workdir: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -208,6 +242,7 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
     from ranker.serving import load_model, open_export
     from recserve.cluster.cascade import CascadeCluster
     from recserve.cluster.gateway import GatewayCluster
+    from recserve.cluster.generation import GenerationCluster
     from recserve.cluster.rankers import RankerCluster
 
     export = open_export(report.out)
@@ -227,8 +262,11 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
         # The cascade over the same shards and ranker: Recommend end to end.
         with CascadeCluster(spec, report.out, rankers.addresses, shard_addresses, data_root=workdir / "cascade") as cascade:
             recommendations = _recommend_demo(cascade.address, [user] + rng.integers(0, arrays.num_users, 2).tolist())
-            with GatewayCluster(spec, [cascade.address], rankers.addresses, data_root=workdir / "gateway") as gateway:
-                http_answer = _http_demo(gateway.url, user)
+            lm = Path(report.out).parent / "lm"  # written by _train_lm
+            with GenerationCluster(spec, checkpoint=lm, data_root=workdir / "generation") as generation, \
+                    GatewayCluster(spec, [cascade.address], rankers.addresses, generators=generation.addresses, data_root=workdir / "gateway") as gateway:
+                http_answer, top = _http_demo(gateway.url, user)
+                explained = _explain_demo(gateway.url, user, top, int(arrays.item_category[top]))
     dlrm = load_model(export, "dlrm", device="cpu", with_tables=True)
     with torch.no_grad():
         want = dict(zip(candidates.tolist(), score_pairs(dlrm, arrays, np.full(candidates.shape, user), candidates).tolist()))  # type: ignore[arg-type]
@@ -240,11 +278,58 @@ def _rank_demo(report: Any, shard_addresses: list[str], workdir: Path, args: arg
         lines.append(f"{k + 1:>4}  " + "  ".join(f"{int(a.item_ids[k]):>14,} {float(a.scores[k]):>8.3f}" for a in answers.values()))
     degraded = [m for m, a in answers.items() if a.degraded]
     lines.append(f"degraded    {degraded or 'none'}")
-    return {"table": "\n".join(lines), "matches": matches, "recommendations": recommendations, "http": http_answer}
+    return {"table": "\n".join(lines), "matches": matches, "recommendations": recommendations, "http": http_answer, "explained": explained}
 
 
-def _http_demo(url: str, user: int) -> str:
-    """One recommendation over HTTP through the gateway, shown as the curl a user types."""
+def _explain_demo(url: str, user: int, item: int, category: int) -> bool:
+    """Stream an explanation of ``item`` from ``POST /v1/generate`` and print each token's
+    text the moment its server-sent event arrives; True when the stream finished."""
+    import http.client
+    import json
+    import sys
+    import time
+
+    # Short: the LM learned positions up to its training windows (LM_WINDOW tokens) only.
+    prompt = f"item {item} is in category"
+    body = json.dumps({"prompt": prompt, "max_new_tokens": LM_WINDOW - len(prompt), "session_key": f"user-{user}"})
+    print(f"== explaining user {user:,}'s top item {item:,} (category {category}), streamed token by token (POST /v1/generate, server-sent events) ==")
+    print(f"$ curl -sN -X POST {url}/v1/generate -H 'Content-Type: application/json' -d '{body}'")
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    started = time.perf_counter()
+    first_ms, tokens, reason = 0.0, 0, ""
+    try:
+        conn.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        if reply.status != 200:
+            print(f"POST /v1/generate -> {reply.status}: {reply.read().decode()[:300]}")
+            return False
+        sys.stdout.write(prompt)
+        for line in iter(reply.readline, b""):  # one line at a time, as the events arrive
+            if not line.startswith(b"data: "):
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                print(f"\nstream error: {event['error']['message']}")
+                return False
+            if not tokens:
+                first_ms = (time.perf_counter() - started) * 1e3
+            tokens += len(event["tokens"])
+            sys.stdout.write(event["text"])
+            sys.stdout.flush()
+            if event["finished"]:
+                reason = event["finish_reason"]
+                break
+    finally:
+        conn.close()
+    total_ms = (time.perf_counter() - started) * 1e3
+    print(f"\n{tokens} tokens, first after {first_ms:.0f} ms, all in {total_ms:.0f} ms; finish_reason {reason}")
+    return bool(reason)
+
+
+def _http_demo(url: str, user: int) -> tuple[str, int]:
+    """One recommendation over HTTP through the gateway, shown as the curl a user types;
+    also its top item."""
     import json
     import urllib.request
 
@@ -254,7 +339,7 @@ def _http_demo(url: str, user: int) -> str:
         answer = json.loads(reply.read())
         request_id = reply.headers["X-Request-Id"]
     return (f"$ curl -s -X POST {url}/v1/recommendations -H 'Content-Type: application/json' -d '{body}'\n"
-            f"items {answer['item_ids']}, degraded {answer['degraded_reason'] or 'no'}, request id {request_id}")  # fmt: skip
+            f"items {answer['item_ids']}, degraded {answer['degraded_reason'] or 'no'}, request id {request_id}"), int(answer["item_ids"][0])  # fmt: skip
 
 
 def _recommend_demo(address: str, users: list[int]) -> str:

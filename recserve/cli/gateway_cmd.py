@@ -1,8 +1,9 @@
 """``recserve gateway``: the HTTP gateway.
 
 ``recserve gateway serve --recommenders HOST:PORT[,...] [--rankers HOST:PORT,...]
-[--config SPEC] [--scrape NAME=URL,...] [--host H] [--port P] [--port-file FILE]``
-serves ``POST /v1/recommendations``, ``POST /v1/rank``, the probes, ``/metrics``,
+[--generators HOST:PORT,...] [--config SPEC] [--scrape NAME=URL,...] [--host H] [--port P]
+[--port-file FILE]`` serves ``POST /v1/recommendations``, ``POST /v1/rank``,
+``POST /v1/generate`` (server-sent events from the ``--generators``), the probes, ``/metrics``,
 ``/openapi.json`` and the status page (``GET /``, scraping the ``--scrape`` targets).
 ``--host`` / ``--port`` default to the spec's ``[gateway]``. Tenant keys are read from
 the environment variables the spec's ``[[tenants]] api_key_env`` name.
@@ -22,6 +23,7 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--config", type=Path, default=None, help="cluster spec TOML (default: the embedded spec)")
     serve.add_argument("--recommenders", required=True, help="comma-separated cascade (Recommender) addresses")
     serve.add_argument("--rankers", default="", help="comma-separated ranker addresses (POST /v1/rank; none: it answers 412)")
+    serve.add_argument("--generators", default="", help="comma-separated generation replica addresses (POST /v1/generate; none: it answers 503)")
     serve.add_argument("--scrape", default="", help="status page targets: comma-separated NAME=URL of each process's /metrics")
     serve.add_argument("--host", default=None, help="listen address (default: the spec's gateway.host)")
     serve.add_argument("--port", type=int, default=None, help="listen port (default: the spec's gateway.port; 0 = a free one, see --port-file)")
@@ -59,7 +61,8 @@ def _serve(args: argparse.Namespace) -> int:
     if not recommenders:
         raise ConfigError("--recommenders = '' is invalid: give the cascade addresses (HOST:PORT,...)")
     config = GatewayProcessConfig(
-        cluster=cluster, recommenders=recommenders, rankers=tuple(a for a in args.rankers.split(",") if a), scrape=parse_scrape(args.scrape),
+        cluster=cluster, recommenders=recommenders, rankers=tuple(a for a in args.rankers.split(",") if a),
+        generators=tuple(a for a in args.generators.split(",") if a), scrape=parse_scrape(args.scrape),
         host=cluster.gateway.host if args.host is None else args.host, port=cluster.gateway.port if args.port is None else args.port,
         port_file=args.port_file,
     )  # fmt: skip

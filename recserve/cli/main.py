@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "train": "recserve.cli.train_cmd",
     "ranker": "recserve.cli.ranker_cmd",
     "cascade": "recserve.cli.cascade_cmd",
+    "generate": "recserve.cli.generate_cmd",
     "serve": "recserve.cli.serve_cmd",
     "gateway": "recserve.cli.gateway_cmd",
     "loadtest": "recserve.cli.loadtest_cmd",

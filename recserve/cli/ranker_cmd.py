@@ -5,13 +5,29 @@
   embeddings from the shards (``--shards``, else the spec's ``shard_addresses``), which
   must serve the export's tables at its ``model_version``; Prometheus ``/metrics`` on
   ``--metrics-port`` (default: the spec's ``ranker.metrics_port``; the flag wins).
+- ``--with-generation`` (or ``[generation] co_locate = true``) also serves
+  ``Generation.Generate`` from the same process, server and device: one
+  :class:`~recserve.scheduling.device.DeviceExecutor` runs the ranker's forwards
+  (critical lane: first) and the decode steps (best-effort lane: at least
+  ``generation.min_device_share`` of device time while both have work);
+  ``--generation-model DIR`` names the LM checkpoint (default: the spec's
+  ``generation.checkpoint``, else seeded random weights).
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from concurrent.futures import Executor
+
+    import grpc
+
+    from generation.service import GenerationCore
+    from recserve.config.spec import ClusterConfig
+    from recserve.rpc.serving import Slot
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,6 +42,9 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--port-file", default="", help="write the bound port here (atomically) once listening")
     serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port (0 = a free one, -1 = none; default: the spec's ranker.metrics_port)")
     serve.add_argument("--metrics-port-file", default="", help="write the bound metrics port here (atomically) before listening for gRPC")
+    serve.add_argument("--with-generation", action="store_true",
+                       help="also serve Generation on this process's device, behind the priority bulkhead (= [generation] co_locate = true)")
+    serve.add_argument("--generation-model", default="", help="the co-located LM checkpoint (default: the spec's generation.checkpoint, else random weights)")
     serve.set_defaults(func=_serve)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
@@ -50,5 +69,52 @@ def _serve(args: argparse.Namespace) -> int:
         admin_token=os.environ.get(ADMIN_TOKEN_ENV, ""),
         metrics_port=cluster.ranker.metrics_port if args.metrics_port is None else args.metrics_port, metrics_port_file=args.metrics_port_file,
     )  # fmt: skip
-    asyncio.run(serve(config))
+    if not (args.with_generation or cluster.generation.co_locate):
+        asyncio.run(serve(config))
+        return 0
+    from recserve.scheduling.bulkhead import BulkheadConfig, Lane
+    from recserve.scheduling.device import DeviceExecutor
+
+    device = DeviceExecutor(BulkheadConfig(min_device_share=cluster.generation.min_device_share))
+    try:
+        colocated = ColocatedGeneration(cluster, args.generation_model, device.lane(Lane.BEST_EFFORT))
+        asyncio.run(serve(config, executor=device.lane(Lane.CRITICAL), colocated=colocated))
+    finally:
+        device.shutdown()  # both workloads have closed: what is queued has run
     return 0
+
+
+class ColocatedGeneration:
+    """The Generation service on a ranker's server and device (``ranker.server.Colocated``):
+    composed here, since the ranker package never imports the generation one."""
+
+    def __init__(self, cluster: ClusterConfig, checkpoint: str, executor: Executor) -> None:
+        from generation.server import GENERATION_SERVICE
+        from recserve.rpc.serving import Slot
+
+        self.cluster = cluster
+        self.checkpoint = checkpoint
+        self.executor = executor
+        self.services = (GENERATION_SERVICE,)
+        self.slot: Slot[GenerationCore] = Slot("generation model")
+
+    def register(self, server: grpc.aio.Server) -> None:
+        from generation.server import GenerationServicer
+        from recserve.v1 import generation_pb2_grpc
+
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(self.slot), server)
+
+    async def load(self) -> None:
+        import asyncio
+
+        from generation.service import GenerationCore, load_model
+
+        gen = self.cluster.generation
+        loaded = await asyncio.to_thread(load_model, gen, self.checkpoint)
+        core = GenerationCore(gen, loaded, executor=self.executor)
+        core.start()
+        self.slot.value = core
+
+    async def aclose(self) -> None:
+        if self.slot.value is not None:
+            await self.slot.value.aclose()

@@ -17,6 +17,17 @@ One call (:meth:`RoutedCalls.call`):
    calls + ``retry_burst``, whatever fails). Any other status is final and raised at once.
    Only idempotent methods (reads: Rank, EmbedUser, Recommend) go through here.
 
+One server-streaming call (:meth:`RoutedCalls.stream`: ``Generate``) takes the same
+steps with two differences: a call is retried only **before its first message
+arrived** (after that the caller has consumed part of an answer, and a second replica
+would start over), and its cost follows the stream (a ``progress`` callback gives the
+new cost per message: a generation stream's active tokens and KV occupancy,
+:class:`~recserve.routing.DecodeLoad`). The first message closes the replica's breaker
+(:meth:`~recserve.routing.Router.on_answer`); a replica that dies mid-stream still
+counts against it. Closing the stream (``aclose()``, or dropping it after ``break``)
+cancels the RPC. A ``key`` (``session_key``) routes by consistent-hash affinity instead
+of two choices, falling back clockwise when the owner's breaker is open.
+
 Failures surface as the :class:`~recserve.errors.RecserveError` of the server's status
 (:func:`recserve.rpc.status.error_from_code`: the status crosses the hop unchanged), the
 message naming the replica and the method, with ``retry_after_s`` from the server's
@@ -36,7 +47,7 @@ import dataclasses
 import math
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import Any
 
 import grpc
@@ -51,7 +62,7 @@ from recserve.rpc.deadline import make_header
 from recserve.rpc.status import error_from_code
 from recserve.v1 import common_pb2
 
-__all__ = ["CallStats", "RoutedCalls", "StubFactory", "ids_arg", "retry_after_s", "verdict"]
+__all__ = ["CallStats", "RoutedCalls", "StubFactory", "ids_arg", "retry_after_s", "stream_verdict", "verdict"]
 
 # address -> stub (an object whose method attributes are grpc.aio unary-unary callables).
 StubFactory = Callable[[str], Any]
@@ -99,6 +110,16 @@ def verdict(code: grpc.StatusCode, timeout_s: float | None, usual_s: float) -> g
     return code
 
 
+def stream_verdict(code: grpc.StatusCode, answered: bool, timeout_s: float | None, usual_s: float) -> grpc.StatusCode:
+    """The status the router should judge a streaming call by. Before its first message,
+    as :func:`verdict`. After it, the replica has shown it serves: a DEADLINE_EXCEEDED
+    then is the caller's budget running out mid-stream, reported as CANCELLED (no
+    verdict); any other status (UNAVAILABLE: the replica died mid-stream) counts."""
+    if answered and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return grpc.StatusCode.CANCELLED
+    return verdict(code, timeout_s, usual_s)
+
+
 class RoutedCalls:
     """Channels, router and retry loop for one replica set of one gRPC service.
 
@@ -109,6 +130,7 @@ class RoutedCalls:
             service, and the name clients use in ``FailedPrecondition`` messages.
         what: the replica's kind in messages (``"ranker"``, ``"recommender"``).
         config: the routing section of the spec (two choices, breakers, retry budget).
+        weights: capacity weight per replica (default all 1; see :class:`~recserve.routing.Router`).
         rng: random generator for two choices (inject a seeded one in tests).
         clock: monotonic seconds; the router's clock and the timeline of deadlines. gRPC
             timeouts are the differences ``deadline - clock()``, so a fake clock must
@@ -126,12 +148,13 @@ class RoutedCalls:
         service: str,
         what: str,
         config: RoutingConfig = RoutingConfig(),
+        weights: Sequence[float] | None = None,
         rng: np.random.Generator | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_message_bytes: int = 64 << 20,
         stub_factory: StubFactory | None = None,
     ) -> None:
-        self.router = Router(addresses, config, rng=rng)
+        self.router = Router(addresses, config, weights=weights, rng=rng)
         self.addresses = self.router.replicas
         self.service = service
         self.what = what
@@ -264,6 +287,98 @@ class RoutedCalls:
                 end = self.clock()
                 router.on_result(replica, verdict(code, timeout, router.hedge_delay(replica)), end - now, end, cost=cost)
             refusal = self._why_not_retry(code, deadline)
+            if refusal is not None:
+                error = error_from_code(code, failure + refusal)
+                error.retry_after_s = retry_after
+                raise error
+            retry_of = replica
+
+    async def stream(
+        self,
+        method: str,
+        build: Callable[[common_pb2.RequestHeader], Any],
+        *,
+        cost: float,
+        deadline: float,
+        tenant: str,
+        priority: str,
+        session_key: str = "",
+        progress: Callable[[Any], float] | None = None,
+        on_start: Callable[[str, grpc.aio.Metadata | None], None] | None = None,
+        request_id: str = "",
+        client: str = "client",
+    ) -> AsyncGenerator[tuple[Any, str, int], None]:
+        """Send the server-streaming ``method`` through the router; yield (message,
+        replica, attempts) per message received.
+
+        Retried on another replica like :meth:`call`, but only while no message has
+        arrived; after the first one, a failure is raised as is. ``session_key``: routes
+        by affinity (and travels in ``header.session_key``) when not ``""``.
+        ``progress(message)``: the call's cost once ``message`` arrived (default: the
+        cost stays ``cost``). ``on_start(replica, initial_metadata)``: called once, when
+        the first message arrived (the replica's in-band load report). Closing the
+        generator cancels the RPC (reported CANCELLED: no verdict on the replica)."""
+        if not self._stubs:
+            raise FailedPrecondition(f"{client}.{method}: the client is not started; call await start() (or use async with)")
+        router = self.router
+        request_id = request_id or inherited_request_id() or uuid.uuid4().hex
+        key = session_key or None
+        retry_of: str | None = None
+        failure = ""
+        attempts = 0
+        while True:
+            now = self.clock()
+            remaining = deadline - now
+            if remaining <= 0:
+                raise DeadlineExceeded(
+                    f"{self.what} {method}: the deadline passed {-remaining * 1e3:.1f} ms ago"
+                    + (f", after {attempts} attempts (last on {retry_of})" if attempts else ", before the first attempt")
+                )
+            try:
+                replica = router.pick(now, key=key, cost=cost, retry_of=retry_of)
+            except Unavailable as exc:
+                if retry_of is None:
+                    raise
+                raise Unavailable(f"{exc.message}; after {failure}", retry_after_s=exc.retry_after_s) from None
+            attempts += 1
+            self.stats.attempts += 1
+            self.stats.retries += retry_of is not None
+            timeout = None if math.isinf(remaining) else remaining
+            header = make_header(timeout_s=timeout, tenant=tenant, priority=priority, request_id=request_id)
+            header.session_key = session_key
+            rpc = getattr(self._stubs[replica], method)(build(header), timeout=timeout)
+            code = grpc.StatusCode.CANCELLED  # anything but a status or the end: no verdict
+            current = cost  # the cost the router holds for this call now
+            answered = False
+            retry_after: float | None = None
+            try:
+                async for message in rpc:
+                    if not answered:
+                        answered = True
+                        at = self.clock()
+                        router.on_answer(replica, at - now, at)
+                        if on_start is not None:
+                            on_start(replica, await rpc.initial_metadata())  # resolved: a message came after it
+                    if progress is not None:
+                        new = progress(message)
+                        router.add_inflight(replica, new - current)
+                        current = new
+                    yield message, replica, attempts
+                code = grpc.StatusCode.OK
+                return
+            except grpc.aio.AioRpcError as exc:
+                code = exc.code()
+                failure = f"{self.what} {replica}: {method}: {code.name}: {exc.details() or ''}"
+                retry_after = retry_after_s(exc)
+            except (asyncio.CancelledError, GeneratorExit):
+                rpc.cancel()
+                raise
+            finally:
+                end = self.clock()
+                judged = stream_verdict(code, answered, timeout, router.hedge_delay(replica))
+                # After on_answer timed the first message, the stream's length is no latency.
+                router.on_result(replica, judged, None if answered else end - now, end, cost=current)
+            refusal = " (not retried: the stream had started)" if answered and is_retryable(code) else self._why_not_retry(code, deadline)
             if refusal is not None:
                 error = error_from_code(code, failure + refusal)
                 error.retry_after_s = retry_after

@@ -63,8 +63,9 @@ def _check_addresses(field: str, addresses: Sequence[str], *, allow_empty: bool 
 
 
 class GatewayCluster:
-    """The gateway process calling ``recommenders`` (Recommend) and ``rankers`` (Rank),
-    configured by the spec at ``config_path`` (its ``[gateway]`` and ``[[tenants]]``).
+    """The gateway process calling ``recommenders`` (Recommend), ``rankers`` (Rank) and
+    ``generators`` (Generate, behind ``POST /v1/generate``), configured by the spec at
+    ``config_path`` (its ``[gateway]``, ``[generation]`` and ``[[tenants]]``).
 
     ``scrape``: the status page's targets, name -> ``/metrics`` URL (``shard-0``,
     ``ranker-1``, ``cascade-0``; the gateway adds itself). ``host`` / ``port``: where it
@@ -77,6 +78,7 @@ class GatewayCluster:
         recommenders: Sequence[str],
         rankers: Sequence[str] = (),
         *,
+        generators: Sequence[str] = (),
         data_root: str | Path,
         scrape: Mapping[str, str] | None = None,
         host: str = "127.0.0.1",
@@ -88,6 +90,7 @@ class GatewayCluster:
     ) -> None:
         _check_addresses("recommenders", recommenders)
         _check_addresses("rankers", rankers, allow_empty=True)
+        _check_addresses("generators", generators, allow_empty=True)
         if not 0 <= port <= 65535:
             raise ConfigError(f"port = {port} is invalid: use a TCP port in 0..65535 (0 = pick a free one)")
         bad = [n for n, u in (scrape or {}).items() if not n or "," in n or "=" in n or "," in u]
@@ -96,6 +99,7 @@ class GatewayCluster:
         self.config_path = Path(config_path)
         self.recommenders = tuple(recommenders)
         self.rankers = tuple(rankers)
+        self.generators = tuple(generators)
         self.scrape = dict(scrape or {})
         self.data_root = Path(data_root)
         self.host = host
@@ -168,6 +172,8 @@ class GatewayCluster:
         ]  # fmt: skip
         if self.rankers:
             cmd += ["--rankers", ",".join(self.rankers)]
+        if self.generators:
+            cmd += ["--generators", ",".join(self.generators)]
         if self.scrape:
             cmd += ["--scrape", ",".join(f"{n}={u}" for n, u in self.scrape.items())]
         return cmd + list(self.extra_args)

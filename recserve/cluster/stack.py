@@ -1,4 +1,4 @@
-"""The whole serving cluster from one spec: shards, N rankers, the cascade and the HTTP gateway.
+"""The whole serving cluster from one spec: shards, N rankers, the cascade, the generation replicas and the HTTP gateway.
 
 :class:`ServingStack` is what ``recserve serve`` runs (docs/architecture.md §3): the
 spec's ``sharding.num_shards`` shard processes loaded from an export's tables, its
@@ -9,17 +9,19 @@ this process, even when it is SIGKILLed). Start order follows the dependencies:
 1. shards are spawned; their ports are known once they bind (before they load);
 2. rankers are spawned on those addresses right away: a ranker waits for its shards to
    be SERVING by itself, so torch's import and the model load overlap the shards'
-   table loads;
+   table loads; so are the ``[topology] generators`` generation replicas (they depend
+   on nothing; only with the gateway, which is what serves them);
 3. shards, then rankers, are awaited (health SERVING), each reported as it comes up;
 4. the cascade is spawned on the rankers' and shards' addresses and awaited;
-5. the HTTP gateway is spawned last on the cascade's and rankers' addresses, scraping
+5. the generation replicas are awaited; the HTTP gateway is spawned last on the
+   cascade's, rankers' and generation replicas' addresses, scraping
    every child's ``/metrics`` for its status page (:meth:`ServingStack.metrics_urls`),
    and awaited (``/readyz`` 200). Tenants' keys reach it through this process's
    environment (``[[tenants]] api_key_env``).
 
 :meth:`ServingStack.stop` goes the other way: the gateway first, then the cascade (it
 drains its in-flight Recommend calls while the rankers still answer them), then the
-rankers, then the shards. A failed start stops whatever was started before the error propagates::
+generation replicas, the rankers, then the shards. A failed start stops whatever was started before the error propagates::
 
     stack = ServingStack(cluster, spec_path=spec, models_dir=models, plan_path=plan, data_root=run,
                          on_endpoint=lambda e: print(e.line()))
@@ -39,6 +41,7 @@ from types import TracebackType
 
 from recserve.cluster.cascade import CascadeCluster
 from recserve.cluster.gateway import GatewayCluster
+from recserve.cluster.generation import GenerationCluster
 from recserve.cluster.rankers import RankerCluster
 from recserve.cluster.shards import ShardCluster
 from recserve.config.spec import ClusterConfig, ShardServerConfig
@@ -52,8 +55,8 @@ class Endpoint:
     """One SERVING child: the gRPC service (or, for the gateway, the HTTP API) a client
     calls at ``address``."""
 
-    service: str  # "EmbeddingShard", "Ranking", "Recommender", "gateway"
-    kind: str  # "shard", "ranker", "cascade", "gateway"
+    service: str  # "EmbeddingShard", "Ranking", "Recommender", "Generation", "gateway"
+    kind: str  # "shard", "ranker", "cascade", "generation", "gateway"
     index: int  # member k of its kind
     address: str  # HOST:PORT
     pid: int
@@ -78,7 +81,8 @@ class ServingStack:
     data (shards' RocksDB), logs and port files under ``data_root``.
 
     ``cascade=False`` stops at the rankers (the Ranking service alone); ``gateway=False``
-    at the cascade (no HTTP gateway). ``shard_server``
+    at the cascade (no HTTP gateway, and no generation replicas, which only the gateway
+    calls). ``shard_server``
     overrides the spec's per-shard settings (e.g. the row cache a budget plan leaves).
     ``on_endpoint`` is called once per child as it turns SERVING, in start order.
     """
@@ -125,6 +129,7 @@ class ServingStack:
         self._python = python
         self.rankers: RankerCluster | None = None
         self.cascade: CascadeCluster | None = None
+        self.generation: GenerationCluster | None = None
         self.gateway: GatewayCluster | None = None
 
     # -- lifecycle -----------------------------------------------------------------
@@ -150,6 +155,13 @@ class ServingStack:
                 ports=topo.ports("ranker_ports", topo.rankers), metrics_port=self.cluster.ranker.metrics_port, python=self._python,
             )  # fmt: skip
             self.rankers.start(wait=False)
+            if self.with_gateway and topo.generators:
+                self.generation = GenerationCluster(
+                    self.spec_path, num_replicas=topo.generators, data_root=self.data_root / "generation",
+                    start_timeout_s=self._start_timeout_s, host=topo.host, ports=topo.ports("generator_ports", topo.generators),
+                    metrics_port=self.cluster.generation.metrics_port, python=self._python,
+                )  # fmt: skip
+                self.generation.start(wait=False)
             for k in range(self.shards.num_shards):
                 self.shards.wait_serving(k)
                 self._report("EmbeddingShard", "shard", k, self.shards.address(k), self.shards.pid(k), self.shards.log_path(k))
@@ -164,11 +176,17 @@ class ServingStack:
                 )  # fmt: skip
                 self.cascade.start()
                 self._report("Recommender", "cascade", 0, self.cascade.address, self.cascade.pid, self.cascade.log_path)
+            generators: list[str] = []
+            if self.generation is not None:
+                for k in range(topo.generators):
+                    self.generation.wait_serving(k)
+                    self._report("Generation", "generation", k, self.generation.address(k), self.generation.pid(k), self.generation.log_path(k))
+                generators = self.generation.addresses
             if self.with_gateway:
                 assert self.cascade is not None
                 gw = self.cluster.gateway
                 self.gateway = GatewayCluster(
-                    self.spec_path, [self.cascade.address], self.rankers.addresses, data_root=self.data_root / "gateway",
+                    self.spec_path, [self.cascade.address], self.rankers.addresses, generators=generators, data_root=self.data_root / "gateway",
                     scrape=self.metrics_urls(), host=gw.host, port=gw.port, start_timeout_s=self._start_timeout_s, python=self._python,
                 )  # fmt: skip
                 self.gateway.start()
@@ -178,9 +196,9 @@ class ServingStack:
             raise
 
     def stop(self) -> None:
-        """Stop the gateway, the cascade, then the rankers, then the shards (each SIGTERM, graceful;
-        SIGKILL past the grace; reaped). Safe to call more than once."""
-        for launcher in (self.gateway, self.cascade, self.rankers, self.shards):
+        """Stop the gateway, the cascade, the generation replicas, then the rankers, then the
+        shards (each SIGTERM, graceful; SIGKILL past the grace; reaped). Safe to call more than once."""
+        for launcher in (self.gateway, self.cascade, self.generation, self.rankers, self.shards):
             if launcher is None:
                 continue
             try:
@@ -189,6 +207,7 @@ class ServingStack:
                 log.exception("stopping %s failed", type(launcher).__name__)
         self.gateway = None
         self.cascade = None
+        self.generation = None
         self.rankers = None
 
     def wait_serving(self, timeout_s: float | None = None) -> None:
@@ -201,6 +220,9 @@ class ServingStack:
                 self.rankers.wait_serving(k, timeout_s)
         if self.cascade is not None:
             self.cascade.wait_serving(timeout_s)
+        if self.generation is not None:
+            for k in range(self.generation.num_replicas):
+                self.generation.wait_serving(k, timeout_s)
         if self.gateway is not None:
             self.gateway.wait_serving(timeout_s)
 
@@ -208,23 +230,27 @@ class ServingStack:
 
     def metrics_urls(self) -> dict[str, str]:
         """Every running child's Prometheus endpoint by name (``"shard-0"``, ``"ranker-1"``,
-        ``"cascade-0"``) -> ``http://HOST:PORT/metrics``, in start order; a child whose
+        ``"cascade-0"``, ``"generation-0"``) -> ``http://HOST:PORT/metrics``, in start order; a child whose
         section sets ``metrics_port = -1`` is left out."""
         urls = {f"shard-{k}": self.shards.metrics_url(k) for k in range(self.shards.num_shards)}
         if self.rankers is not None:
             urls.update({f"ranker-{k}": self.rankers.metrics_url(k) for k in range(self.rankers.num_rankers)})
         if self.cascade is not None:
             urls["cascade-0"] = self.cascade.metrics_url
+        if self.generation is not None:
+            urls.update({f"generation-{k}": self.generation.metrics_url(k) for k in range(self.generation.num_replicas)})
         return {name: url for name, url in urls.items() if url is not None}
 
     @property
     def pids(self) -> list[int]:
-        """Every child's pid (shards, rankers, cascade, gateway)."""
+        """Every child's pid (shards, rankers, cascade, generation replicas, gateway)."""
         pids = [self.shards.pid(k) for k in range(self.shards.num_shards)]
         if self.rankers is not None:
             pids += [self.rankers.pid(k) for k in range(self.rankers.num_rankers)]
         if self.cascade is not None:
             pids.append(self.cascade.pid)
+        if self.generation is not None:
+            pids += [self.generation.pid(k) for k in range(self.generation.num_replicas)]
         if self.gateway is not None:
             pids.append(self.gateway.pid)
         return pids

@@ -6,6 +6,7 @@ from recserve.config.spec import (
     ClusterConfig,
     FeatureConfig,
     GatewayConfig,
+    GenerationServiceConfig,
     LookupConfig,
     RankerConfig,
     RoutingConfig,
@@ -17,5 +18,5 @@ from recserve.config.spec import (
 
 __all__ = [
     "DEFAULT_SPEC", "default_config", "load", "loads", "CascadeConfig", "ClusterConfig", "FeatureConfig",
-    "GatewayConfig", "LookupConfig", "RankerConfig", "RoutingConfig", "ShardingConfig", "ShardServerConfig", "TableConfig", "TenantConfig",
+    "GatewayConfig", "GenerationServiceConfig", "LookupConfig", "RankerConfig", "RoutingConfig", "ShardingConfig", "ShardServerConfig", "TableConfig", "TenantConfig",
 ]

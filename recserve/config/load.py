@@ -20,6 +20,7 @@ from recserve.config.spec import (
     ClusterConfig,
     FeatureConfig,
     GatewayConfig,
+    GenerationServiceConfig,
     LookupConfig,
     RankerConfig,
     RoutingConfig,
@@ -179,8 +180,8 @@ budget_shares = [0.15, 0.15, 0.45, 0.25]
 index_factory = "auto"
 log_path = ""
 
-# What `recserve serve` starts: shards (sharding.num_shards), 2 rankers and the
-# cascade, all on loopback, each on a free port ("7100-7199" pins a range).
+# What `recserve serve` starts: shards (sharding.num_shards), 2 rankers, the cascade
+# and 1 generation replica, all on loopback, each on a free port ("7100-7199" pins a range).
 [topology]
 rankers = 2
 host = "127.0.0.1"
@@ -188,6 +189,8 @@ shard_ports = "0"
 ranker_ports = "0"
 cascade_port = 0
 unix_sockets = false
+generators = 1  # Generation replicas behind the gateway's /v1/generate (0 = none)
+generator_ports = "0"
 
 # Tenants of the HTTP gateway. `default` needs no API key (api_key_env = ""), so a first
 # curl works; a keyed tenant names the environment variable that holds its key (the key
@@ -308,6 +311,7 @@ def parse_spec(raw: dict[str, Any]) -> ClusterConfig:
         gateway=section(GatewayConfig, "gateway"),
         tenants=tenants,
         topology=section(TopologyConfig, "topology"),
+        generation=section(GenerationServiceConfig, "generation"),
     )
 
 

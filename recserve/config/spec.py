@@ -269,6 +269,86 @@ class RankerConfig:
         require_metrics_port("ranker.metrics_port", self.metrics_port)
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationServiceConfig:
+    """The Generation service (``recserve generate serve``, docs/architecture.md §6,
+    "The generation service"): the decode engine behind ``Generation.Generate``.
+
+    * ``checkpoint``: a ``recserve train --lm`` directory ('' = none: seeded random
+      weights of the shape below, ``seed``; ``--model DIR`` wins over it). A checkpoint
+      brings its own shape and its ``model_version`` (the prefix-cache key).
+    * ``n_layers`` / ``n_heads`` / ``dim`` / ``max_seq_len``: the random-weight model
+      (``max_seq_len`` = the context limit: prompt + ``max_new_tokens`` must fit in it).
+    * KV pool and batching (:class:`generation.config.ContinuousBatchConfig`):
+      ``num_blocks`` blocks of ``block_tokens`` tokens, ``max_seqs`` live sequences,
+      ``token_budget`` tokens per step, prompts prefilled ``prefill_chunk_tokens`` at a
+      time.
+    * ``max_new_tokens_cap``: the most tokens one request may ask for (more is
+      INVALID_ARGUMENT).
+    * ``stop_token``: greedy decoding ends after emitting it (10 = "\\n": the LM is
+      trained on one fact per line); -1 = never (only ``max_new_tokens`` ends it).
+    * ``default_timeout_ms``: bounds a request that carries no deadline; past its
+      deadline a stream ends with ``finish_reason = "deadline"``.
+    * ``threads``: torch intra-op threads of the decode executor (0 = torch's default).
+    * ``metrics_port``: Prometheus ``/metrics`` (0 = a free port, N > 0 = replica k binds
+      N + k, -1 = none); ``--metrics-port`` wins over it.
+    * ``co_locate``: the ranker process also serves Generation on its device
+      (``recserve ranker serve --with-generation`` turns it on too): one device executor
+      runs both, ranker batches first (:mod:`recserve.scheduling.bulkhead`), decode keeping
+      at least ``min_device_share`` of device time while both have work (0 = rankers
+      strictly first; at most 0.9).
+
+    Example::
+
+        [generation]
+        checkpoint = "checkpoints/lm"
+        max_new_tokens_cap = 128
+    """
+
+    checkpoint: str = ""
+    seed: int = 0
+    n_layers: int = 2
+    n_heads: int = 4
+    dim: int = 64
+    max_seq_len: int = 512
+    device: str = "auto"
+    num_blocks: int = 256
+    block_tokens: int = 16
+    max_seqs: int = 32
+    token_budget: int = 256
+    prefill_chunk_tokens: int = 64
+    max_new_tokens_cap: int = 256
+    stop_token: int = 10
+    default_timeout_ms: float = 30_000.0
+    threads: int = 1
+    metrics_port: int = 0
+    co_locate: bool = False
+    min_device_share: float = 0.2
+
+    def __post_init__(self) -> None:
+        _require(self.device in ("auto", "cpu", "cuda"), "generation.device", self.device, "use 'auto', 'cpu' or 'cuda'")
+        _require(isinstance(self.co_locate, bool), "generation.co_locate", self.co_locate, "use true or false")
+        _require(0.0 <= self.min_device_share <= 0.9, "generation.min_device_share", self.min_device_share,
+                 "use a fraction of device time in 0..0.9 (decode's guaranteed share while ranker batches wait)")
+        _require(1 <= self.n_layers <= 64, "generation.n_layers", self.n_layers, "use 1..64 layers")
+        _require(self.n_heads >= 1 and self.dim >= 1 and self.dim % self.n_heads == 0, "generation.dim", self.dim,
+                 f"use a positive width divisible by n_heads ({self.n_heads})")
+        _require(2 <= self.max_seq_len <= 65_536, "generation.max_seq_len", self.max_seq_len, "use 2..65536 positions")
+        _require(self.num_blocks >= 1, "generation.num_blocks", self.num_blocks, "use at least 1 KV block")
+        _require(1 <= self.block_tokens <= 1024, "generation.block_tokens", self.block_tokens, "use 1..1024 tokens per block (16 is the usual)")
+        _require(self.max_seqs >= 1, "generation.max_seqs", self.max_seqs, "use at least 1 live sequence")
+        _require(self.token_budget >= 1, "generation.token_budget", self.token_budget, "use at least 1 token per step")
+        _require(1 <= self.prefill_chunk_tokens <= self.token_budget, "generation.prefill_chunk_tokens", self.prefill_chunk_tokens,
+                 f"use 1..token_budget ({self.token_budget}) tokens")
+        _require(1 <= self.max_new_tokens_cap < self.max_seq_len, "generation.max_new_tokens_cap", self.max_new_tokens_cap,
+                 f"use 1..max_seq_len - 1 ({self.max_seq_len - 1}) tokens")
+        _require(-1 <= self.stop_token < 259, "generation.stop_token", self.stop_token, "use a byte-tokenizer id in 0..258, or -1 for none")
+        _require(math.isfinite(self.default_timeout_ms) and self.default_timeout_ms > 0, "generation.default_timeout_ms",
+                 self.default_timeout_ms, "use a positive timeout in ms")
+        _require(0 <= self.threads <= 64, "generation.threads", self.threads, "use 0..64 threads (0 = torch's default)")
+        require_metrics_port("generation.metrics_port", self.metrics_port)
+
+
 ROUTING_POLICIES = ("two_choices", "weighted_random", "least_loaded")
 
 
@@ -506,12 +586,15 @@ class TopologyConfig:
     """Which processes ``recserve serve`` starts and where they listen (docs/architecture.md §3).
 
     * ``rankers``: ranker replicas; the cascade routes over them (``[routing]``).
+    * ``generators``: Generation replicas (``recserve generate serve``); the gateway
+      routes ``/v1/generate`` over them. 0 = none (``/v1/generate`` answers 503).
     * ``host``: the IPv4 address every process binds and is reached at. The launcher
       starts them all on this machine, so it must be one of its addresses.
     * ``shard_ports`` / ``ranker_ports``: ``"0"`` = each process binds a free port and
       writes it to its port file (no race between picking and binding), or an inclusive
       range ``"7100-7199"`` whose k-th port process k binds (a restart keeps it).
-    * ``cascade_port``: the Recommender's port (0 = a free one).
+    * ``cascade_port``: the Recommender's port (0 = a free one). ``generator_ports``: as
+      ``ranker_ports``, for the Generation replicas.
     * ``unix_sockets``: the processes share this host, so every shard also listens on a
       unix socket in its data root and the rankers and the cascade dial it (``unix:``
       addresses: no TCP stack on the shard fan-out, the widest hop).
@@ -530,9 +613,17 @@ class TopologyConfig:
     ranker_ports: str = FREE_PORTS
     cascade_port: int = 0
     unix_sockets: bool = False
+    generators: int = 1
+    generator_ports: str = FREE_PORTS
 
     def __post_init__(self) -> None:
         _require(1 <= self.rankers <= 64, "topology.rankers", self.rankers, "use 1..64 ranker processes")
+        _require(0 <= self.generators <= 64, "topology.generators", self.generators, "use 0..64 generation processes (0 = none)")
+        generator_range = parse_port_range("topology.generator_ports", self.generator_ports)
+        if generator_range is not None:
+            size = generator_range[1] - generator_range[0] + 1
+            _require(size >= self.generators, "topology.generator_ports", self.generator_ports,
+                     f"give at least generators = {self.generators} ports (the range holds {size})")
         parts = self.host.split(".")
         _require(len(parts) == 4 and all(p.isdigit() and int(p) <= 255 for p in parts), "topology.host", self.host,
                  'use an IPv4 address of this machine, e.g. "127.0.0.1" (processes are started here)')  # fmt: skip
@@ -550,8 +641,9 @@ class TopologyConfig:
             _require(not inside, "topology.cascade_port", self.cascade_port, f"use a port outside {name} = {getattr(self, name)!r}")
 
     def ports(self, field: str, count: int) -> tuple[int, ...]:
-        """The ports of ``count`` processes whose range is ``field`` (``"shard_ports"`` or
-        ``"ranker_ports"``): all 0 (free ports) or the range's first ``count`` ports.
+        """The ports of ``count`` processes whose range is ``field`` (``"shard_ports"``,
+        ``"ranker_ports"`` or ``"generator_ports"``): all 0 (free ports) or the range's
+        first ``count`` ports.
 
         >>> TopologyConfig(ranker_ports="7200-7209").ports("ranker_ports", 2)
         (7200, 7201)
@@ -581,6 +673,7 @@ class ClusterConfig:
     gateway: GatewayConfig = GatewayConfig()
     tenants: tuple[TenantConfig, ...] = ()
     topology: TopologyConfig = TopologyConfig()
+    generation: GenerationServiceConfig = GenerationServiceConfig()
 
     def __post_init__(self) -> None:
         _require(len(self.tables) > 0, "tables", list(self.tables), "declare at least one [[tables]] entry")

@@ -9,7 +9,17 @@ process; a fake in tests), the tenants and the spec into a ``web.Application``:
   earlier of ``gateway.timeout_ms`` and the body's ``deadline_ms``, counted from the
   request's arrival. Downstream statuses map to HTTP through
   :func:`recserve.rpc.status.http_error_body` only (DEADLINE_EXCEEDED -> 504, ...).
-* ``POST /v1/generate``: 501 with a JSON body until the generation service lands.
+* ``POST /v1/generate``: the same gates, then a :class:`Generator` stream (the
+  :class:`recserve.client.generation.GenerationClient` over ``--generators``) answered
+  as server-sent events (``text/event-stream``): one ``event: chunk`` per generated
+  chunk, whose ``data`` is a ``GenerateChunk`` JSON object, the last with ``finished``.
+  The response starts only once the first chunk has arrived, so an error before it (a
+  bad prompt: 400 naming the field; no replica: 503; the deadline: 504) is an ordinary
+  JSON error answer; an error after it is one ``event: error`` whose ``data`` is the
+  error body, and the stream ends. The stream's budget is the earlier of
+  ``generation.default_timeout_ms`` and the body's ``deadline_ms``; a client that
+  disconnects cancels the RPC, and the replica stops the sequence at its next step.
+  Without generators: 503.
 * ``GET /healthz`` (the process lives), ``GET /readyz`` (every downstream SERVING, the
   answer cached :data:`READY_CACHE_S`), ``GET /metrics`` (this process, Prometheus text),
   ``GET /openapi.json``; ``GET /`` and ``GET /v1/status`` from
@@ -29,17 +39,18 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 from aiohttp import web
 
 from recserve.config.spec import ClusterConfig
-from recserve.errors import InvalidField, RecserveError, Unavailable
+from recserve.errors import InternalError, InvalidField, RecserveError, Unavailable
 from recserve.gateway.openapi import openapi_document
 from recserve.gateway.schemas import ObjectSchema, request_schemas
 from recserve.gateway.tenants import Quotas, TenantTable
@@ -51,6 +62,7 @@ from recserve.rpc.status import http_error_body, retry_after_header
 log = logging.getLogger(__name__)
 
 READY_CACHE_S = 0.5  # /readyz answers from a check at most this old
+DEFAULT_MAX_NEW_TOKENS = 32  # a /v1/generate body without max_new_tokens
 READY_CHECK_TIMEOUT_S = 1.0
 REQUEST_ID_HEADER = "X-Request-Id"
 ERROR_MESSAGE = web.ResponseKey("error_message", str)
@@ -74,6 +86,20 @@ class Downstream(Protocol):
     async def check_ready(self, timeout_s: float = 1.0) -> dict[str, bool]: ...
 
 
+class Generator(Protocol):
+    """What the gateway needs of :class:`recserve.client.generation.GenerationClient`:
+    ``generate`` is an async generator of chunks (``index``, ``tokens`` int32 [n],
+    ``text``, ``finished``, ``finish_reason``, ``emitted_unix_us``); closing it cancels
+    the stream. ``deadline`` is on the downstream's clock."""
+
+    def generate(self, prompt: str = "", *, prompt_tokens: np.ndarray | Sequence[int] | None = None, max_new_tokens: int = 32,
+                 temperature: float = 0.0, seed: int = 0, session_key: str = "", timeout_s: float | None = None,
+                 deadline: float | None = None, tenant: str = "default", priority: str = "best_effort",
+                 request_id: str = "") -> AsyncIterator[Any]: ...  # fmt: skip
+
+    async def check_ready(self, timeout_s: float = 1.0) -> dict[str, bool]: ...
+
+
 @dataclasses.dataclass
 class Gateway:
     """The live state behind the handlers (one per app)."""
@@ -84,6 +110,7 @@ class Gateway:
     quotas: Quotas
     schemas: dict[str, ObjectSchema]
     openapi: bytes  # the document, serialised once
+    generator: Generator | None = None  # None: /v1/generate answers 503
     inflight: int = 0
     ready_at: float = -1e18  # clock of the cached readiness
     ready: dict[str, bool] = dataclasses.field(default_factory=dict)
@@ -100,14 +127,15 @@ def make_app(
     tenants: TenantTable,
     *,
     scrape_targets: Mapping[str, str] | None = None,
+    generator: Generator | None = None,
 ) -> web.Application:
     """The application (unstarted). ``cluster.gateway`` sets the body cap, the timeout
     and the concurrency cap; ``scrape_targets`` (name -> ``/metrics`` URL) adds the
-    status page when given."""
+    status page when given; ``generator`` serves ``POST /v1/generate`` (None: 503)."""
     schemas = request_schemas(cluster)
     gateway = Gateway(
         cluster=cluster, downstream=downstream, tenants=tenants, quotas=Quotas(tenants.tenants), schemas=schemas,
-        openapi=json.dumps(openapi_document(cluster, status_page=scrape_targets is not None), indent=1).encode(),
+        openapi=json.dumps(openapi_document(cluster, status_page=scrape_targets is not None), indent=1).encode(), generator=generator,
     )  # fmt: skip
     # client_max_size: aiohttp refuses a longer body while reading it, before it is whole.
     app = web.Application(middlewares=[edge_middleware], client_max_size=cluster.gateway.max_body_bytes)
@@ -276,18 +304,72 @@ async def rank(request: web.Request) -> web.Response:
     })  # fmt: skip
 
 
-async def generate(request: web.Request) -> web.Response:
-    g = request.app[GATEWAY_KEY]
-    g.tenants.authenticate(request.headers.get(g.tenants.header))
-    message = "POST /v1/generate will stream tokens as server-sent events once the generation service lands; it is not built yet"
-    body = {"error": {"status": 501, "kind": "not_implemented", "field": None, "value": None, "message": message}, "request_id": request["request_id"]}
-    return web.json_response(body, status=501)
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_event(event: str, data: dict[str, Any], event_id: int | None = None) -> bytes:
+    """One server-sent event: ``event: NAME``, an optional ``id:``, one ``data:`` line of
+    compact JSON (JSON escapes newlines, so one line always suffices), a blank line."""
+    head = f"event: {event}\n" + (f"id: {event_id}\n" if event_id is not None else "")
+    return (head + "data: " + json.dumps(data, separators=(",", ":"), ensure_ascii=False) + "\n\n").encode()
+
+
+def chunk_json(chunk: Any) -> dict[str, Any]:
+    """A generated chunk as the ``GenerateChunk`` JSON object of one ``chunk`` event."""
+    return {"index": int(chunk.index), "tokens": np.asarray(chunk.tokens).tolist(), "text": chunk.text, "finished": bool(chunk.finished),
+            "finish_reason": chunk.finish_reason, "emitted_unix_us": int(chunk.emitted_unix_us)}  # fmt: skip
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    async with _Admitted(request, "GenerateRequest") as (tenant, priority, body):
+        g = request.app[GATEWAY_KEY]
+        if g.generator is None:
+            raise Unavailable("POST /v1/generate: this gateway has no generation replicas; start it with --generators HOST:PORT,... "
+                              "(recserve serve: [topology] generators >= 1)", retry_after_s=1.0)  # fmt: skip
+        budget_ms = min(g.cluster.generation.default_timeout_ms, body.get("deadline_ms", math.inf))
+        chunks = g.generator.generate(
+            body.get("prompt", ""), prompt_tokens=body.get("prompt_tokens"), max_new_tokens=body.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+            temperature=body.get("temperature", 0.0), seed=body.get("seed", 0), session_key=body.get("session_key", ""),
+            deadline=float(request["arrival_s"]) + budget_ms / 1e3, tenant=tenant, priority=priority, request_id=request["request_id"],
+        )  # fmt: skip
+        try:
+            # The first chunk before any byte is sent: an error until then is a JSON answer with its own status.
+            chunk = await anext(chunks, None)
+            if chunk is None:
+                raise InternalError("the generation replica ended the stream without a chunk")
+            response = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: request["request_id"]})
+            await response.prepare(request)
+            try:
+                while chunk is not None:
+                    await response.write(sse_event("chunk", chunk_json(chunk), int(chunk.index)))
+                    chunk = None if chunk.finished else await anext(chunks, None)
+            except RecserveError as exc:  # after the first chunk: the status is sent, so the error is the last event
+                log.info("POST /v1/generate: the stream failed after it started: %s", exc.message)
+                await response.write(sse_event("error", http_error_body(exc, request["request_id"])[1]))
+            await response.write_eof()
+        finally:
+            # Leaving early (a disconnect cancels this handler) closes the stream: that cancels the RPC.
+            close = getattr(chunks, "aclose", None)
+            if close is not None:
+                await close()
+    return response
 
 
 # ---- probes and documents --------------------------------------------------------------
 
 async def healthz(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
+
+
+async def _check_ready(g: Gateway) -> dict[str, bool]:
+    """Every downstream's readiness (the generation replicas' too, when there are any)."""
+    checks = [g.downstream.check_ready(READY_CHECK_TIMEOUT_S)]
+    if g.generator is not None:
+        checks.append(g.generator.check_ready(READY_CHECK_TIMEOUT_S))
+    ready: dict[str, bool] = {}
+    for part in await asyncio.gather(*checks):
+        ready |= part
+    return ready
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -297,7 +379,7 @@ async def readyz(request: web.Request) -> web.Response:
     now = g.downstream.clock()
     if now - g.ready_at > READY_CACHE_S:
         if g.ready_check is None:
-            g.ready_check = asyncio.ensure_future(g.downstream.check_ready(READY_CHECK_TIMEOUT_S))
+            g.ready_check = asyncio.ensure_future(_check_ready(g))
         check = g.ready_check
         try:
             g.ready = await asyncio.shield(check)  # a caller that leaves must not cancel the others' check
@@ -320,4 +402,4 @@ async def openapi(request: web.Request) -> web.Response:
     return web.Response(body=request.app[GATEWAY_KEY].openapi, content_type="application/json")
 
 
-__all__ = ["GATEWAY_KEY", "Downstream", "Gateway", "make_app", "READY_CACHE_S"]
+__all__ = ["GATEWAY_KEY", "Downstream", "Gateway", "Generator", "make_app", "READY_CACHE_S"]

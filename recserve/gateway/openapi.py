@@ -63,9 +63,15 @@ def openapi_document(cluster: ClusterConfig, *, status_page: bool = True) -> dic
         "/v1/recommendations": post("Recommend items to a user", "RecommendRequest", "RecommendResponse", errors),
         "/v1/rank": post("Rank candidates for a user", "RankRequest", "RankResponse", errors),
         "/v1/generate": {"post": {
-            "summary": "Generate tokens (server-sent events; not built yet)", "security": [{"apiKey": []}, {}],
+            "summary": "Generate text, streamed token by token as server-sent events", "description": requests["GenerateRequest"].description
+            + ". The 200 answer is text/event-stream: one `event: chunk` per chunk, its `data` a GenerateChunk object (the last has finished = true);"
+            " an error after the stream started is one `event: error` whose `data` is an ErrorResponse, and the stream ends. An error before the"
+            " first chunk (a bad prompt, no replica, the deadline) is an ordinary JSON error answer.",
+            "security": [{"apiKey": []}, {}],
             "requestBody": {"required": True, "content": {"application/json": {"schema": _ref("GenerateRequest")}}},
-            "responses": {"501": _json("ErrorResponse", "not built yet: the generation service has not landed"), "401": _json("ErrorResponse", _ERRORS[401])},
+            "responses": {"200": {"description": "the event stream (`event: chunk` with GenerateChunk data; `event: error` with ErrorResponse data)",
+                                  "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+            | {str(c): _json("ErrorResponse", _ERRORS[c]) for c in errors},
         }},  # fmt: skip
         "/healthz": {"get": {"summary": "Liveness: 200 while the process runs", "responses": {"200": _json("HealthResponse", "alive")}}},
         "/readyz": {"get": {"summary": "Readiness: 200 when every downstream reports SERVING", "responses": {
@@ -84,7 +90,7 @@ def openapi_document(cluster: ClusterConfig, *, status_page: bool = True) -> dic
     return {
         "openapi": OPENAPI_VERSION,
         "info": {"title": "recserve HTTP gateway", "version": "1",
-                 "description": "Recommendations and ranking over HTTP. Errors: 400 = the body cannot be read; 422 = the body breaks the schema."},
+                 "description": "Recommendations, ranking and streamed generation over HTTP. Errors: 400 = the body cannot be read; 422 = the body breaks the schema."},
         "paths": paths,
         "components": {
             "schemas": _components([*requests.values(), *responses.values()]),

@@ -19,6 +19,7 @@ from typing import Any
 from recserve.config.spec import MODEL_NAMES, ClusterConfig
 
 INT64_MAX = (1 << 63) - 1
+INT32_MAX = (1 << 31) - 1
 
 
 class Kind(enum.Enum):
@@ -108,6 +109,7 @@ def request_schemas(cluster: ClusterConfig) -> dict[str, ObjectSchema]:
     """The request bodies, bounded by the spec: ``{"RecommendRequest", "RankRequest",
     "GenerateRequest"}``."""
     max_k = cluster.cascade.max_k
+    gen = cluster.generation
     max_candidates = cluster.ranker.max_candidates
     deadline = Field("deadline_ms", Kind.NUMBER, "time budget in ms from arrival; the gateway's timeout_ms caps it (the earlier wins)",
                      minimum=1, maximum=cluster.gateway.timeout_ms)  # fmt: skip
@@ -128,9 +130,17 @@ def request_schemas(cluster: ClusterConfig) -> dict[str, ObjectSchema]:
             Field("history_item_ids", Kind.ID_ARRAY, "recent items appended to the user's history", minimum=0, maximum=INT64_MAX, max_items=10_000),
             deadline,
         )),  # fmt: skip
-        "GenerateRequest": ObjectSchema("GenerateRequest", "POST /v1/generate (not built yet: 501)", (
-            Field("prompt", Kind.STRING, "the prompt", required=True),
-            Field("max_tokens", Kind.INTEGER, "tokens to generate", minimum=1, maximum=4096),
+        "GenerateRequest": ObjectSchema("GenerateRequest", "POST /v1/generate: stream a continuation of a prompt as server-sent events", (
+            Field("prompt", Kind.STRING, "the prompt text (UTF-8 bytes are the tokens); give this or prompt_tokens, not both"),
+            Field("prompt_tokens", Kind.ID_ARRAY, "the prompt as token ids (byte tokenizer: 0..258); give this or prompt, not both",
+                  minimum=0, maximum=INT32_MAX, max_items=65_536),
+            Field("max_new_tokens", Kind.INTEGER, f"tokens to generate at most (default 32; generation.max_new_tokens_cap = {gen.max_new_tokens_cap:,})",
+                  minimum=1, maximum=gen.max_new_tokens_cap),
+            Field("temperature", Kind.NUMBER, "0 = greedy (default); > 0 samples from softmax(logits / temperature)", minimum=0),
+            Field("seed", Kind.INTEGER, "the sampling seed (same seed, same text)", minimum=-INT64_MAX - 1, maximum=INT64_MAX),
+            Field("session_key", Kind.STRING, "an affinity key (a user, a conversation): its requests go to one replica, which reuses their prompt's KV blocks"),
+            Field("deadline_ms", Kind.NUMBER, f"time budget in ms from arrival for the whole stream; generation.default_timeout_ms = {gen.default_timeout_ms:,g} caps it",
+                  minimum=1, maximum=gen.default_timeout_ms),
         )),  # fmt: skip
     }
 
@@ -190,6 +200,14 @@ def response_schemas() -> dict[str, ObjectSchema]:
         "ReadyResponse": ObjectSchema("ReadyResponse", "readiness of every downstream", (
             Field("ready", Kind.BOOLEAN, "whether every downstream is SERVING", required=True),
             Field("downstream", Kind.OBJECT_ARRAY, "one entry per downstream address", required=True, items=DOWNSTREAM),
+        )),  # fmt: skip
+        "GenerateChunk": ObjectSchema("GenerateChunk", "the data of one `event: chunk` of POST /v1/generate's event stream", (
+            Field("index", Kind.INTEGER, "chunk sequence number, from 0 (also the event's id)", required=True),
+            Field("tokens", Kind.ID_ARRAY, "the token ids this chunk carries (one; none in a final 'deadline' chunk)", required=True),
+            Field("text", Kind.STRING, "their text (a character split across tokens arrives whole with its last byte)", required=True),
+            Field("finished", Kind.BOOLEAN, "the last chunk of the stream", required=True),
+            Field("finish_reason", Kind.STRING, "on the last chunk: length (max_new_tokens), stop (the stop token), deadline; else ''", required=True),
+            Field("emitted_unix_us", Kind.INTEGER, "wall clock (unix microseconds) when the replica sent it", required=True),
         )),  # fmt: skip
         "HealthResponse": ObjectSchema("HealthResponse", "the process is alive", (Field("status", Kind.STRING, "always 'ok'", required=True),)),
         "ErrorResponse": ObjectSchema("ErrorResponse", "every error answer", (

@@ -2,7 +2,8 @@
 
 1. Tenants' keys are read from the environment (a keyed tenant without its variable is
    a ConfigError naming both, before anything listens); the RecClient is opened on the
-   recommenders and rankers (lazily connecting: they may still be starting);
+   recommenders and rankers, and a GenerationClient on the generation replicas when
+   there are any (``POST /v1/generate``), lazily connecting: they may still be starting;
 2. the aiohttp app listens on ``host:port`` with ``handler_cancellation`` on (a client
    that disconnects cancels its handler and so the downstream RPC); the bound port goes
    to the port file; ``/readyz`` says when the downstreams are SERVING;
@@ -56,6 +57,7 @@ class GatewayProcessConfig:
     cluster: ClusterConfig
     recommenders: tuple[str, ...]
     rankers: tuple[str, ...] = ()
+    generators: tuple[str, ...] = ()  # Generation replicas behind POST /v1/generate (none: it answers 503)
     scrape: tuple[tuple[str, str], ...] = ()
     host: str = "127.0.0.1"
     port: int = 0
@@ -64,6 +66,7 @@ class GatewayProcessConfig:
 
 async def serve(config: GatewayProcessConfig, stop: asyncio.Event | None = None, environ: Mapping[str, str] | None = None) -> None:
     """Run the gateway until ``stop`` (or SIGTERM / SIGINT)."""
+    from recserve.client.generation import GenerationClient
     from recserve.client.rec import RecClient
     from recserve.gateway.app import make_app
     from recserve.gateway.tenants import TenantTable
@@ -75,6 +78,9 @@ async def serve(config: GatewayProcessConfig, stop: asyncio.Event | None = None,
     register_secret(*(env[t.api_key_env] for t in cluster.tenants if t.api_key_env and env.get(t.api_key_env)))
     client = RecClient(config.recommenders, config.rankers, cluster.routing)
     await client.start()
+    generator = GenerationClient(config.generators, cluster.routing) if config.generators else None
+    if generator is not None:
+        await generator.start()
     runner: web.AppRunner | None = None
     try:
         # Bind first: the status page scrapes this process too, so its URL must be known
@@ -83,14 +89,15 @@ async def serve(config: GatewayProcessConfig, stop: asyncio.Event | None = None,
         bound = int(sock.getsockname()[1])
         targets = dict(config.scrape)
         targets.setdefault("gateway", f"http://{config.host}:{bound}/metrics")
-        app = make_app(cluster, client, tenants, scrape_targets=targets)
+        app = make_app(cluster, client, tenants, scrape_targets=targets, generator=generator)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=GRACE_S)
         await runner.setup()
         await web.SockSite(runner, sock).start()
         if config.port_file:
             write_port_file(config.port_file, bound)
-        log.info("HTTP gateway at http://%s:%d (recommenders %s, rankers %s, tenants %s)", config.host, bound, ",".join(config.recommenders),
-                 ",".join(config.rankers) or "-", [t.name for t in tenants.tenants])  # fmt: skip
+        log.info("HTTP gateway at http://%s:%d (recommenders %s, rankers %s, generators %s, tenants %s)", config.host, bound,
+                 ",".join(config.recommenders), ",".join(config.rankers) or "-", ",".join(config.generators) or "-",
+                 [t.name for t in tenants.tenants])  # fmt: skip
         stop = stop or asyncio.Event()
         stop_on_signals(stop)
         await stop.wait()
@@ -99,3 +106,5 @@ async def serve(config: GatewayProcessConfig, stop: asyncio.Event | None = None,
         if runner is not None:
             await runner.cleanup()
         await client.aclose()
+        if generator is not None:
+            await generator.aclose()

@@ -43,6 +43,13 @@ SCHEDULER_QUEUE_WAIT = Histogram(
     "recserve_scheduler_queue_wait_seconds", "Time an item waited in a scheduler's queue before a batch took it", ["loop"], buckets=LATENCY_BUCKETS_S,
 )  # fmt: skip
 
+# -- the shared device executor of a co-located ranker + decoder (recserve.scheduling.device): label ``lane``
+DEVICE_JOBS = Counter("recserve_device_jobs", "Jobs the shared device ran, by bulkhead lane (critical: ranker batches, best_effort: decode steps)", ["lane"])
+DEVICE_BUSY = Counter("recserve_device_busy_seconds", "Device time the jobs of a bulkhead lane took", ["lane"])
+DEVICE_QUEUE_WAIT = Histogram(
+    "recserve_device_queue_wait_seconds", "Time a job waited for the shared device, by bulkhead lane", ["lane"], buckets=LATENCY_BUCKETS_S,
+)  # fmt: skip
+
 # -- the cascade (cascade/service.py): one sample per stage report of every Recommend
 CASCADE_STAGE_LATENCY = Histogram(
     "recserve_cascade_stage_latency_seconds", "Time a cascade stage (L0..L3) took, skipped stages included", ["stage"], buckets=LATENCY_BUCKETS_S,

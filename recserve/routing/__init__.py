@@ -8,7 +8,8 @@ Modules: ``choice`` (power of two choices on a work signal, capacity weights; an
 a factory keyed by :class:`ChoiceKind`), ``breaker`` (per-destination circuit breakers,
 closed / open / half-open), ``budget`` (one retry + hedge budget, retryable statuses),
 ``latency`` (hedge delays, slow-destination ejection), ``affinity`` (consistent-hash
-session affinity), ``config`` (:class:`RoutingConfig`), ``router`` (the :class:`Router`
+session affinity), ``load`` (:class:`DecodeLoad`, a generation stream's work signal:
+active tokens plus KV occupancy), ``config`` (:class:`RoutingConfig`), ``router`` (the :class:`Router`
 facade composing them for one replica set).
 
 Core package: imports only ``recserve.errors``, ``recserve.config``, ``recserve.sharding``
@@ -21,6 +22,7 @@ from recserve.routing.budget import RETRYABLE_CODES, HedgeBudget, RetryBudget, i
 from recserve.routing.choice import ChoiceKind, ChoicePolicy, LeastLoaded, TwoChoices, WeightedRandom, make_choice_policy
 from recserve.routing.config import RoutingConfig
 from recserve.routing.latency import LatencyTracker
+from recserve.routing.load import DecodeLoad
 from recserve.routing.router import Router, RouterStats
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "Breakers",
     "ChoiceKind",
     "ChoicePolicy",
+    "DecodeLoad",
     "HedgeBudget",
     "LatencyTracker",
     "LeastLoaded",

@@ -19,7 +19,11 @@ fake clock. It composes the parts of this package for one replica set:
 The work signal is the router's own in-flight work per replica (the ``cost`` of each
 call picked and not yet reported: candidates for a ranker, tokens for a decoder), plus
 whatever the replicas report through :meth:`Router.set_reported_load` (work this router
-did not send: other routers' share, queued decode tokens).
+did not send: other routers' share, queued decode tokens). A streaming call's cost may
+change while it runs (:meth:`Router.add_inflight`: a generation stream's active tokens
+and KV occupancy, :class:`~recserve.routing.load.DecodeLoad`), and its first message
+closes the replica's breaker before the stream ends (:meth:`Router.on_answer`). The
+same router serves ranker and generation replica sets; only the cost differs.
 
 Example (fake clock)::
 
@@ -181,7 +185,7 @@ class Router:
 
     # ---- results ------------------------------------------------------------------
 
-    def on_result(self, replica: str, code: grpc.StatusCode | None, latency_s: float, now: float, *, cost: float = 1.0) -> None:
+    def on_result(self, replica: str, code: grpc.StatusCode | None, latency_s: float | None, now: float, *, cost: float = 1.0) -> None:
         """Report how a picked call ended.
 
         ``code``: its status (``OK`` or None for success). A retryable status
@@ -190,8 +194,9 @@ class Router:
         but frees a half-open probe permit; any other status is an answer
         (INVALID_ARGUMENT comes from a healthy replica) and closes it. ``latency_s`` feeds the hedge delay for
         answers and for deadline-exceeded calls (the time waited, a lower bound), not
-        for fast UNAVAILABLE refusals, which would make a dead replica look quick.
-        ``cost``: the cost passed to :meth:`pick`.
+        for fast UNAVAILABLE refusals, which would make a dead replica look quick;
+        None records nothing (a stream whose first message :meth:`on_answer` timed).
+        ``cost``: the cost passed to :meth:`pick` (as moved by :meth:`add_inflight`).
         """
         i = self.index(replica)
         self.inflight[i] = max(0.0, self.inflight[i] - cost)
@@ -203,16 +208,18 @@ class Router:
             # the replica's health; the time waited is still a lower bound on latency.
             if held_permit:
                 self.breakers.release(i)
-            self.latency.record(i, latency_s, now)
+            if latency_s is not None:
+                self.latency.record(i, latency_s, now)
             return
         if code is not None and code != grpc.StatusCode.OK and is_retryable(code):
             self.stats.failures += 1
             self.breakers.on_failure(i, now)
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and latency_s is not None:
                 self.latency.record(i, latency_s, now)
             return
         self.breakers.on_success(i, now)
-        self.latency.record(i, latency_s, now)
+        if latency_s is not None:
+            self.latency.record(i, latency_s, now)
 
     def can_retry(self, code: grpc.StatusCode | None) -> bool:
         """Whether a call that failed with ``code`` may be retried: only a retryable
@@ -227,6 +234,23 @@ class Router:
     def hedge_delay(self, replica: str) -> float:
         """Seconds to wait on ``replica`` before hedging (its recent latency percentile)."""
         return self.latency.hedge_delay(self.index(replica))
+
+    def add_inflight(self, replica: str, delta: float) -> None:
+        """Move a call in progress's cost by ``delta`` (a generation stream's work
+        changes as its chunks arrive: :class:`~recserve.routing.load.DecodeLoad`); the
+        cost later reported to :meth:`on_result` is the moved one."""
+        i = self.index(replica)
+        self.inflight[i] = max(0.0, self.inflight[i] + delta)
+
+    def on_answer(self, replica: str, latency_s: float, now: float) -> None:
+        """A streaming call's first message arrived after ``latency_s``: the replica
+        serves, so its breaker closes now (a half-open probe that streams for seconds
+        must not hold the replica's traffic back that long) and the time to the first
+        message feeds its hedge delay. The call is still in flight: end it with
+        :meth:`on_result`, passing ``latency_s=None`` (recorded once)."""
+        i = self.index(replica)
+        self.breakers.on_success(i, now)
+        self.latency.record(i, latency_s, now)
 
     def set_reported_load(self, replica: str, work: float) -> None:
         """The replica's own report of work this router did not send (same unit as cost)."""

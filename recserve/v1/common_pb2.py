@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18recserve/v1/common.proto\x12\x0brecserve.v1\"v\n\rRequestHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\'\n\x08priority\x18\x03 \x01(\x0e\x32\x15.recserve.v1.Priority\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x03\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.recserve.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*Q\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x43RITICAL\x10\x01\x12\x0c\n\x08STANDARD\x10\x02\x12\x0f\n\x0b\x42\x45ST_EFFORT\x10\x03*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x10\n\x0cINT8_ROWWISE\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05UINT8\x10\x06\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18recserve/v1/common.proto\x12\x0brecserve.v1\"\x8b\x01\n\rRequestHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\'\n\x08priority\x18\x03 \x01(\x0e\x32\x15.recserve.v1.Priority\x12\x18\n\x10\x64\x65\x61\x64line_unix_ms\x18\x04 \x01(\x03\x12\x13\n\x0bsession_key\x18\x05 \x01(\t\"H\n\x06Tensor\x12!\n\x05\x64type\x18\x01 \x01(\x0e\x32\x12.recserve.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c*Q\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x43RITICAL\x10\x01\x12\x0c\n\x08STANDARD\x10\x02\x12\x0f\n\x0b\x42\x45ST_EFFORT\x10\x03*k\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x10\n\x0cINT8_ROWWISE\x10\x03\x12\t\n\x05INT64\x10\x04\x12\t\n\x05INT32\x10\x05\x12\t\n\x05UINT8\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'recserve.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=235
-  _globals['_PRIORITY']._serialized_end=316
-  _globals['_DTYPE']._serialized_start=318
-  _globals['_DTYPE']._serialized_end=425
-  _globals['_REQUESTHEADER']._serialized_start=41
-  _globals['_REQUESTHEADER']._serialized_end=159
-  _globals['_TENSOR']._serialized_start=161
-  _globals['_TENSOR']._serialized_end=233
+  _globals['_PRIORITY']._serialized_start=257
+  _globals['_PRIORITY']._serialized_end=338
+  _globals['_DTYPE']._serialized_start=340
+  _globals['_DTYPE']._serialized_end=447
+  _globals['_REQUESTHEADER']._serialized_start=42
+  _globals['_REQUESTHEADER']._serialized_end=181
+  _globals['_TENSOR']._serialized_start=183
+  _globals['_TENSOR']._serialized_end=255
 # @@protoc_insertion_point(module_scope)

@@ -36,16 +36,18 @@ INT32: DType
 UINT8: DType
 
 class RequestHeader(_message.Message):
-    __slots__ = ("request_id", "tenant", "priority", "deadline_unix_ms")
+    __slots__ = ("request_id", "tenant", "priority", "deadline_unix_ms", "session_key")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_KEY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tenant: str
     priority: Priority
     deadline_unix_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ...) -> None: ...
+    session_key: str
+    def __init__(self, request_id: _Optional[str] = ..., tenant: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., deadline_unix_ms: _Optional[int] = ..., session_key: _Optional[str] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")

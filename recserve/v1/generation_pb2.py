@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from recserve.v1 import common_pb2 as recserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crecserve/v1/generation.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"\xb4\x01\n\x0fGenerateRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12*\n\rprompt_tokens\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x03\"z\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12#\n\x06tokens\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t2T\n\nGeneration\x12\x46\n\x08Generate\x12\x1c.recserve.v1.GenerateRequest\x1a\x1a.recserve.v1.GenerateChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1crecserve/v1/generation.proto\x12\x0brecserve.v1\x1a\x18recserve/v1/common.proto\"\xb4\x01\n\x0fGenerateRequest\x12*\n\x06header\x18\x01 \x01(\x0b\x32\x1a.recserve.v1.RequestHeader\x12*\n\rprompt_tokens\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x0e\n\x06prompt\x18\x03 \x01(\t\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\x05\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x03\"\x93\x01\n\rGenerateChunk\x12\r\n\x05index\x18\x01 \x01(\x05\x12#\n\x06tokens\x18\x02 \x01(\x0b\x32\x13.recserve.v1.Tensor\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x17\n\x0f\x65mitted_unix_us\x18\x06 \x01(\x03\x32T\n\nGeneration\x12\x46\n\x08Generate\x12\x1c.recserve.v1.GenerateRequest\x1a\x1a.recserve.v1.GenerateChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=72
   _globals['_GENERATEREQUEST']._serialized_end=252
-  _globals['_GENERATECHUNK']._serialized_start=254
-  _globals['_GENERATECHUNK']._serialized_end=376
-  _globals['_GENERATION']._serialized_start=378
-  _globals['_GENERATION']._serialized_end=462
+  _globals['_GENERATECHUNK']._serialized_start=255
+  _globals['_GENERATECHUNK']._serialized_end=402
+  _globals['_GENERATION']._serialized_start=404
+  _globals['_GENERATION']._serialized_end=488
 # @@protoc_insertion_point(module_scope)

@@ -23,15 +23,17 @@ class GenerateRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[_common_pb2.RequestHeader, _Mapping]] = ..., prompt_tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., prompt: _Optional[str] = ..., max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("index", "tokens", "text", "finished", "finish_reason")
+    __slots__ = ("index", "tokens", "text", "finished", "finish_reason", "emitted_unix_us")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    EMITTED_UNIX_US_FIELD_NUMBER: _ClassVar[int]
     index: int
     tokens: _common_pb2.Tensor
     text: str
     finished: bool
     finish_reason: str
-    def __init__(self, index: _Optional[int] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    emitted_unix_us: int
+    def __init__(self, index: _Optional[int] = ..., tokens: _Optional[_Union[_common_pb2.Tensor, _Mapping]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., emitted_unix_us: _Optional[int] = ...) -> None: ...

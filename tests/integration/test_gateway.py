@@ -148,9 +148,11 @@ def test_rank_answers_what_the_ranker_answers_over_grpc(gw: GatewayWorld, doc: d
     assert sorted(body["item_ids"]) == sorted(candidates) and body["scores"] == sorted(body["scores"], reverse=True)
 
 
-def test_generate_is_501_with_a_json_body(gw: GatewayWorld, doc: dict[str, Any]) -> None:
+def test_generate_without_generation_replicas_is_503_with_a_json_body(gw: GatewayWorld, doc: dict[str, Any]) -> None:
+    # This world starts no generation replica (tests/integration/test_gateway_generate.py streams from one).
     status, headers, body = call(gw.url, "POST", "/v1/generate", {"prompt": "hi"})
-    assert status == 501 and body["error"]["status"] == 501 and "not built yet" in body["error"]["message"]
+    assert status == 503 and body["error"]["status"] == 503 and "no generation replicas" in body["error"]["message"]
+    assert headers["retry-after"] == "1"
     schema_check(doc, "ErrorResponse", body)
     assert headers["x-request-id"] == body["request_id"]
 

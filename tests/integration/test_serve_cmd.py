@@ -55,7 +55,7 @@ ORPHAN_BOUND_S = 10.0
 ENDPOINT = re.compile(r"^gRPC (\w+) at (\S+) \((\w+) (\d+), pid (\d+), log (.+)\)$")
 GATEWAY_LINE = re.compile(r"^HTTP gateway at (http://\S+) \(pid (\d+), log (.+)\)$")
 STAGES = "l0_out = 400\nl1_out = 256\nl2_out = 50\nl3_out = 10\n"  # L1 output and max_k fit one Rank (MAX_CANDIDATES)
-HEALTH_SERVICE = {"EmbeddingShard": "", "Ranking": "recserve.v1.Ranking", "Recommender": "recserve.v1.Recommender"}
+HEALTH_SERVICE = {"EmbeddingShard": "", "Ranking": "recserve.v1.Ranking", "Recommender": "recserve.v1.Recommender", "Generation": "recserve.v1.Generation"}
 
 
 def _cascade_built() -> bool:
@@ -208,7 +208,8 @@ def serving(world: RankerWorld, tmp_path: Path, request: pytest.FixtureRequest) 
 @pytest.mark.parametrize("serving", [2], indirect=True)
 def test_serve_reports_ready_answers_and_leaves_no_child_on_sigterm(world: RankerWorld, serving: Serve) -> None:
     services = [e.service for e in serving.endpoints]
-    want = ["EmbeddingShard"] * 2 + ["Ranking"] * 2 + (["Recommender"] if CASCADE else [])
+    # [topology] generators = 1 (the default): one generation replica, awaited before the gateway that serves it.
+    want = ["EmbeddingShard"] * 2 + ["Ranking"] * 2 + (["Recommender", "Generation"] if CASCADE else [])
     assert services == want, serving.lines  # every endpoint printed, in start order
     assert serving.lines[-1] == READY_LINE and serving.lines.count(READY_LINE) == 1
     pids = {e.pid for e in serving.endpoints}

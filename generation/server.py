@@ -12,7 +12,8 @@ then the loop closes.
 each stamped ``emitted_unix_us`` (wall clock, as it leaves the server). Bad input is
 INVALID_ARGUMENT naming the field and the value, before any chunk; the server keeps
 serving. The initial metadata carries the replica's load when the stream starts
-(``recserve-active-tokens``: tokens its live streams may still compute;
+(``recserve-active-tokens``: its live streams' budgets not yet generated, prompt +
+``max_new_tokens`` - generated, summed;
 ``recserve-kv-occupancy``: the used fraction of its KV pool), for a router that reads it.
 """
 

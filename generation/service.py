@@ -50,7 +50,7 @@ from recserve.errors import DeadlineExceeded, InvalidArgument
 from recserve.scheduling import ItemStream, ServingLoop
 
 from generation.config import ContinuousBatchConfig, GenerationConfig, KvCacheConfig, ModelConfig
-from generation.engine import DecodeEngine, build
+from generation.engine import build
 from generation.model import TinyDecoder
 from generation.policy import PagedPolicy
 from generation.tokenizer import ByteTokenizer
@@ -61,7 +61,7 @@ log = logging.getLogger(__name__)
 FINISH_LENGTH = "length"
 FINISH_STOP = "stop"
 FINISH_DEADLINE = "deadline"
-FINISH_CANCELLED = "cancelled"
+FINISH_CANCELLED = "cancelled"  # in the wire enum; never sent here: a cancelled stream has no one left to send to
 LOOP_NAME = "generation"  # the ServingLoop's metrics label (recserve_scheduler_*{loop="generation"})
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -148,11 +148,7 @@ class GenerationCore:
         self.stop_token = None if config.stop_token < 0 else config.stop_token
         self.requests = 0
         self.tokens_generated = 0
-        self.active_tokens = 0  # tokens the live streams may still compute (prompt + max_new_tokens - generated)
-
-    @property
-    def decode_engine(self) -> DecodeEngine:
-        return self.engine
+        self.active_tokens = 0  # the live streams' budgets not yet generated: prompt + max_new_tokens - generated, summed
 
     def start(self) -> None:
         """Start the serving loop (from inside the running event loop)."""
@@ -211,8 +207,9 @@ class GenerationCore:
         return GenerationStream(self, request, items)
 
     def load(self) -> tuple[int, float]:
-        """(active tokens, KV occupancy in [0, 1]): what this replica still has to compute
-        and how full its pool is — the load a router compares replicas on."""
+        """(active tokens, KV occupancy in [0, 1]): the live streams' budgets not yet
+        generated (prompt + max_new_tokens - generated, summed) and how full the KV pool
+        is — the load a router compares replicas on."""
         pool = self.policy.pool
         return self.active_tokens, pool.used_count / pool.num_blocks
 
@@ -245,6 +242,12 @@ class GenerationStream:
     async def aclose(self) -> None:
         self._items.cancel()
         await self._chunks.aclose()
+        self._release()  # a stream closed before its first chunk never ran _run's finally
+
+    def _release(self) -> None:
+        """Take what is left of this stream's budget out of the core's load (once)."""
+        self._core.active_tokens -= self._budget
+        self._budget = 0
 
     async def _run(self) -> AsyncGenerator[GenerationChunk, None]:
         core = self._core
@@ -270,8 +273,7 @@ class GenerationStream:
             yield GenerationChunk(index, generated[-1:].copy(), decoder.decode(_text_bytes(last), final=True), True, reason)
         finally:
             self._items.cancel()  # a consumer that left early (closed, cancelled): the sequence stops; no-op when finished
-            core.active_tokens -= self._budget
-            self._budget = 0
+            self._release()
 
 
 def _text_bytes(token: int) -> bytes:

@@ -21,11 +21,14 @@ exactly ``--gen-tokens`` tokens).
 4. both at once (**mixed**): the same ``Rank`` schedule while the streams run:
    ``rank_p99_ms_mixed`` and ``decode_tokens_per_s`` over the same window.
 
-Steps 2-4 repeat ``--repeats`` times, interleaved; the reported figures are the medians
-(each run's in ``runs``). ``rank_p99_ratio`` = mixed / alone (goal <= 1.2) and
+Before step 2 a warm-up runs both loads briefly (the first window must not be the cold
+one). Steps 2-4 repeat ``--repeats`` (3) times, interleaved; the reported figures are
+the medians (each round's in ``runs``). ``rank_p99_ratio`` = mixed / alone (goal <= 1.2) and
 ``decode_fraction`` = mixed / alone tokens/s (goal >= 0.3); ``goals`` says whether each
 holds. ``device_share_mixed`` is the lanes' device time in the mixed window, read from
-the process's ``recserve_device_*`` metrics, beside the configured share. Latency runs
+the process's ``recserve_device_*`` metrics, beside the configured share, and
+``decode_paced_s_mixed`` the seconds the device idled holding decode back for ranker
+batches in flight. Latency runs
 from a request's scheduled arrival to its answer; its deadline is that arrival +
 ``--timeout-ms`` (a request answered after ``--slo-ms`` counts as late, not OK).
 
@@ -58,6 +61,7 @@ if TYPE_CHECKING:
 RANK_P99_GOAL = 1.2  # mixed p99 / alone p99 at most
 DECODE_GOAL = 0.3  # mixed tokens/s / alone tokens/s at least
 GEN_WARMUP_S = 0.5  # streams run this long before a window opens (every stream past its first prefill)
+WARMUP_GEN_S = 1.0  # the generation load's part of the warm-up before the first round
 SPEC_RANKER_HEAD = '[ranker]\nmodels = ["dlrm"]\ndevice = "cpu"\n'
 
 
@@ -85,10 +89,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-probe-requests", type=int, default=200, help="knee search: a probe lasts about this many arrivals (default 200)")
     p.add_argument("--max-probe-seconds", type=float, default=8.0, help="knee search: longest probe (default 8 s)")
     p.add_argument("--max-probe-requests", type=int, default=1_500, help="knee search: most arrivals per probe (default 1500)")
-    p.add_argument("--warmup-requests", type=int, default=100, help="closed-loop Rank requests before the search (default 100)")
+    p.add_argument("--warmup-requests", type=int, default=100, help="closed-loop Rank requests before the search and before the rounds (default 100)")
     p.add_argument("--keep-rankers", action="store_true", help="knee search: do not restart the ranker after a failed probe")
-    p.add_argument("--measure-seconds", type=float, default=5.0, help="length of each alone / mixed window (default 5 s)")
-    p.add_argument("--repeats", type=int, default=1, help="alone / decode-alone / mixed rounds, interleaved; medians reported (default 1)")
+    p.add_argument("--measure-seconds", type=float, default=4.0, help="length of each alone / mixed window (default 4 s)")
+    p.add_argument("--repeats", type=int, default=3, help="alone / decode-alone / mixed rounds, interleaved; medians reported (default 3)")
     p.add_argument("--gen-streams", type=int, default=8, help="concurrent closed-loop Generate streams (default 8)")
     p.add_argument("--gen-tokens", type=int, default=64, help="max_new_tokens of each stream (default 64)")
     p.add_argument("--gen-prompt-tokens", type=int, default=32, help="random prompt tokens per stream (default 32)")
@@ -237,14 +241,46 @@ async def _rank_window(address: str, world: World, args: argparse.Namespace, rat
 
 
 def _device_seconds(url: str | None) -> dict[str, float]:
-    """lane -> device busy seconds so far (the process's recserve_device_busy_seconds)."""
+    """lane -> device busy seconds so far (the process's recserve_device_busy_seconds),
+    and ``paced`` -> the seconds decode was held back (recserve_device_paced_seconds)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     if url is None:
         return {}
     with urllib.request.urlopen(url, timeout=10) as reply:
         text = reply.read().decode()
-    return {s.labels["lane"]: s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == "recserve_device_busy_seconds_total"}
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "recserve_device_busy_seconds_total":
+                out[sample.labels["lane"]] = sample.value
+            elif sample.name == "recserve_device_paced_seconds_total":
+                out["paced"] = sample.value
+    return out
+
+
+async def _warm_up(address: str, world: World, args: argparse.Namespace, routing: Any) -> None:
+    """Before the first window: ``--warmup-requests`` closed-loop Rank calls, then the
+    generation load with Rank beside it for a second (channels, first forwards and
+    decode steps, the lookup client's caches), so the first window is not the cold one."""
+    from recserve.bench.rank import warm
+    from recserve.client import RankingClient
+
+    users, cands = world.users, world.candidates
+    async with RankingClient([address], routing, rng=np.random.default_rng(args.seed)) as client:
+
+        async def send(i: int, deadline: float) -> bool:
+            k = i % users.shape[0]
+            return (await client.rank(int(users[k]), cands[k], model="dlrm", deadline=deadline)).degraded
+
+        await warm(send, args.warmup_requests, 1)
+        gen = GenerationLoad(address, args, args.seed + 99_999)  # prompts none of the rounds draws
+        await gen.start()
+        try:
+            await warm(send, max(8, args.warmup_requests // 4), 1)
+            await asyncio.sleep(WARMUP_GEN_S)  # the warm-up's length, not synchronisation
+        finally:
+            await gen.stop()
 
 
 async def _round(address: str, metrics_url: str | None, world: World, args: argparse.Namespace, rate: float, k: int, routing: Any) -> dict[str, Any]:
@@ -272,6 +308,7 @@ async def _round(address: str, metrics_url: str | None, world: World, args: argp
         "rank_p99_ms_alone": alone["p99_ms"], "rank_p99_ms_mixed": mixed["p99_ms"],
         "decode_tokens_per_s_alone": decode_alone, "decode_tokens_per_s": decode_mixed,
         "device_busy_s_mixed": busy, "device_share_mixed": {lane: (b / total if total > 0 else None) for lane, b in busy.items()},
+        "decode_paced_s_mixed": after.get("paced", 0.0) - before.get("paced", 0.0),
         "streams_finished": gen.streams_done, "generation_errors": gen.errors,
     }  # fmt: skip
     _log(f"round {k}: Rank p99 {_ms(alone['p99_ms'])} alone -> {_ms(mixed['p99_ms'])} mixed; "
@@ -325,6 +362,7 @@ def _run(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 knee_rps = float(args.knee_rps)
             rate = args.rank_fraction * knee_rps
             _log(f"Rank knee {knee_rps:,.1f}/s; measuring at {rate:,.1f}/s ({args.rank_fraction:.0%})")
+            asyncio.run(_warm_up(address, world, args, cluster.routing))
             rounds = [asyncio.run(_round(address, ranker.metrics_url(0), world, args, rate, k, cluster.routing)) for k in range(args.repeats)]
     return summarise(args, rounds, knee_rps=knee_rps, rate=rate, knee=knee, seconds=time.perf_counter() - started, device=_device_name(args.device))
 

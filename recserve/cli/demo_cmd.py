@@ -79,8 +79,10 @@ def run(args: argparse.Namespace) -> int:
         report = _train(root, args)
         print("== the explanation LM, trained on the catalog's templated text ==")
         print(_train_lm(root, catalog, args))
-        print("== feature-parallel DLRM lookups through real shard servers ==")
+        # Runs every server; the explanation streams live while they are up, so this
+        # section's heading is printed after it.
         lookups = _lookup_demo(cluster, report, Path(tmp), args)
+        print("== feature-parallel DLRM lookups through real shard servers ==")
         print(
             f"shards      {lookups['shards']} processes on loopback, plan v{lookups['plan_version']}, model_version {lookups['model_version']} "
             f"(dlrm_item: hot {lookups['hot']:,}, warm {lookups['warm']:,}, cold {lookups['cold']:,} rows)\n"
@@ -292,12 +294,13 @@ def _explain_demo(url: str, user: int, item: int, category: int) -> bool:
     # Short: the LM learned positions up to its training windows (LM_WINDOW tokens) only.
     prompt = f"item {item} is in category"
     body = json.dumps({"prompt": prompt, "max_new_tokens": LM_WINDOW - len(prompt), "session_key": f"user-{user}"})
-    print(f"== explaining user {user:,}'s top item {item:,} (category {category}), streamed token by token (POST /v1/generate, server-sent events) ==")
+    print(f"== an explanation of user {user:,}'s top recommended item {item:,} (category {category}), streamed token by token "
+          f"(POST /v1/generate: server-sent events from recserve generate serve) ==")
     print(f"$ curl -sN -X POST {url}/v1/generate -H 'Content-Type: application/json' -d '{body}'")
     host, _, port = url.removeprefix("http://").rpartition(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=30)
     started = time.perf_counter()
-    first_ms, tokens, reason = 0.0, 0, ""
+    first_ms, tokens, reason, text = 0.0, 0, "", prompt
     try:
         conn.request("POST", "/v1/generate", body=body, headers={"Content-Type": "application/json"})
         reply = conn.getresponse()
@@ -315,6 +318,7 @@ def _explain_demo(url: str, user: int, item: int, category: int) -> bool:
             if not tokens:
                 first_ms = (time.perf_counter() - started) * 1e3
             tokens += len(event["tokens"])
+            text += event["text"]
             sys.stdout.write(event["text"])
             sys.stdout.flush()
             if event["finished"]:
@@ -323,7 +327,8 @@ def _explain_demo(url: str, user: int, item: int, category: int) -> bool:
     finally:
         conn.close()
     total_ms = (time.perf_counter() - started) * 1e3
-    print(f"\n{tokens} tokens, first after {first_ms:.0f} ms, all in {total_ms:.0f} ms; finish_reason {reason}")
+    newline = "" if text.endswith("\n") else "\n"  # the stop token is a newline
+    print(f"{newline}{tokens} tokens, first after {first_ms:.0f} ms, all in {total_ms:.0f} ms; finish_reason {reason}")
     return bool(reason)
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -166,7 +166,7 @@ class GenerationClient:
         tenant: str = "default",
         priority: str = "best_effort",
         request_id: str = "",
-    ) -> AsyncIterator[GeneratedChunk]:
+    ) -> AsyncGenerator[GeneratedChunk, None]:
         """Stream the continuation of ``prompt`` (text) or ``prompt_tokens`` (int32 [T]),
         one :class:`GeneratedChunk` per server chunk, the last with ``finished``.
 

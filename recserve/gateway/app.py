@@ -62,7 +62,7 @@ from recserve.rpc.status import http_error_body, retry_after_header
 log = logging.getLogger(__name__)
 
 READY_CACHE_S = 0.5  # /readyz answers from a check at most this old
-DEFAULT_MAX_NEW_TOKENS = 32  # a /v1/generate body without max_new_tokens
+DEFAULT_MAX_NEW_TOKENS = 32  # a /v1/generate body without max_new_tokens (at most generation.max_new_tokens_cap)
 READY_CHECK_TIMEOUT_S = 1.0
 REQUEST_ID_HEADER = "X-Request-Id"
 ERROR_MESSAGE = web.ResponseKey("error_message", str)
@@ -328,7 +328,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                               "(recserve serve: [topology] generators >= 1)", retry_after_s=1.0)  # fmt: skip
         budget_ms = min(g.cluster.generation.default_timeout_ms, body.get("deadline_ms", math.inf))
         chunks = g.generator.generate(
-            body.get("prompt", ""), prompt_tokens=body.get("prompt_tokens"), max_new_tokens=body.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+            body.get("prompt", ""), prompt_tokens=body.get("prompt_tokens"),
+            max_new_tokens=body.get("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, g.cluster.generation.max_new_tokens_cap)),
             temperature=body.get("temperature", 0.0), seed=body.get("seed", 0), session_key=body.get("session_key", ""),
             deadline=float(request["arrival_s"]) + budget_ms / 1e3, tenant=tenant, priority=priority, request_id=request["request_id"],
         )  # fmt: skip
@@ -343,8 +344,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 while chunk is not None:
                     await response.write(sse_event("chunk", chunk_json(chunk), int(chunk.index)))
                     chunk = None if chunk.finished else await anext(chunks, None)
-            except RecserveError as exc:  # after the first chunk: the status is sent, so the error is the last event
-                log.info("POST /v1/generate: the stream failed after it started: %s", exc.message)
+            except ConnectionResetError:  # the client left mid-write (before its cancellation reached us): nobody to tell
+                log.info("POST /v1/generate: the client went away mid-stream")
+                return response
+            except Exception as exc:  # after the first chunk the status is sent: the error is the last event
+                if isinstance(exc, RecserveError):
+                    log.info("POST /v1/generate: the stream failed after it started: %s", exc.message)
+                else:  # a bug: logged with its traceback; the event names only its type (http_error_body)
+                    log.exception("POST /v1/generate: the stream failed after it started")
                 await response.write(sse_event("error", http_error_body(exc, request["request_id"])[1]))
             await response.write_eof()
         finally:

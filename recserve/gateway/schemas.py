@@ -134,7 +134,7 @@ def request_schemas(cluster: ClusterConfig) -> dict[str, ObjectSchema]:
             Field("prompt", Kind.STRING, "the prompt text (UTF-8 bytes are the tokens); give this or prompt_tokens, not both"),
             Field("prompt_tokens", Kind.ID_ARRAY, "the prompt as token ids (byte tokenizer: 0..258); give this or prompt, not both",
                   minimum=0, maximum=INT32_MAX, max_items=65_536),
-            Field("max_new_tokens", Kind.INTEGER, f"tokens to generate at most (default 32; generation.max_new_tokens_cap = {gen.max_new_tokens_cap:,})",
+            Field("max_new_tokens", Kind.INTEGER, f"tokens to generate at most (default {min(32, gen.max_new_tokens_cap)}; generation.max_new_tokens_cap = {gen.max_new_tokens_cap:,})",
                   minimum=1, maximum=gen.max_new_tokens_cap),
             Field("temperature", Kind.NUMBER, "0 = greedy (default); > 0 samples from softmax(logits / temperature)", minimum=0),
             Field("seed", Kind.INTEGER, "the sampling seed (same seed, same text)", minimum=-INT64_MAX - 1, maximum=INT64_MAX),

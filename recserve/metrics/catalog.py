@@ -46,6 +46,7 @@ SCHEDULER_QUEUE_WAIT = Histogram(
 # -- the shared device executor of a co-located ranker + decoder (recserve.scheduling.device): label ``lane``
 DEVICE_JOBS = Counter("recserve_device_jobs", "Jobs the shared device ran, by bulkhead lane (critical: ranker batches, best_effort: decode steps)", ["lane"])
 DEVICE_BUSY = Counter("recserve_device_busy_seconds", "Device time the jobs of a bulkhead lane took", ["lane"])
+DEVICE_PACED = Counter("recserve_device_paced_seconds", "Time the shared device idled because decode had used its share while a ranker batch was in flight")
 DEVICE_QUEUE_WAIT = Histogram(
     "recserve_device_queue_wait_seconds", "Time a job waited for the shared device, by bulkhead lane", ["lane"], buckets=LATENCY_BUCKETS_S,
 )  # fmt: skip

@@ -165,6 +165,11 @@ class DeviceBulkhead(Generic[T]):
     def queued(self, lane: Lane) -> int:
         return len(self._queues[lane])
 
+    @property
+    def paced_s(self) -> float:
+        """Seconds the device idled so far only because decode was held back (announced batches)."""
+        return self._paced
+
     def stats(self) -> BulkheadStats:
         lanes = [LaneStats(self._jobs[k], self._busy[k], self._contended[k], self._wait[k], self._max_wait[k], len(self._queues[k]),
                            self._announced if k is Lane.CRITICAL else 0) for k in Lane]  # fmt: skip

@@ -19,7 +19,7 @@ back the worker sleeps until the bulkhead's ``next_wakeup``.
 The bulkhead is a state machine without locks; here it is only touched under one
 condition variable. A job whose future was cancelled before it ran is skipped.
 Metrics, label ``lane`` (:mod:`recserve.metrics.catalog`): jobs run, device seconds and
-queue wait per lane.
+queue wait per lane; and the seconds the device idled holding decode back.
 
 Example::
 
@@ -62,6 +62,7 @@ class DeviceExecutor:
         self._closed = False
         self._metrics = {lane: (catalog.DEVICE_JOBS.labels(lane.name.lower()), catalog.DEVICE_BUSY.labels(lane.name.lower()),
                                 catalog.DEVICE_QUEUE_WAIT.labels(lane.name.lower())) for lane in Lane}  # fmt: skip
+        self._paced_seen = 0.0  # the bulkhead's paced_s already counted in DEVICE_PACED
         self._thread = threading.Thread(target=self._work, name=f"recserve-{name}", daemon=True)
         self._thread.start()
 
@@ -116,23 +117,30 @@ class DeviceExecutor:
                     job = bulkhead.pop(self._clock())
             future, fn, args, kwargs = job.payload
             job.payload = (future, fn, (), {})  # drop the arguments once run: a batch's tensors go with them
-            try:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        result = fn(*args, **kwargs)
-                    except BaseException as exc:  # the caller's failure, delivered through its future
-                        future.set_exception(exc)
-                    else:
-                        future.set_result(result)
-            finally:
-                del args, kwargs
-                with cond:
-                    end = self._clock()
-                    bulkhead.done(job, end)
-                jobs, busy, wait = self._metrics[job.lane]
-                jobs.inc()
-                busy.inc(max(0.0, end - job.started_at))
-                wait.observe(max(0.0, job.started_at - job.queued_at))
+            outcome: tuple[bool, Any] | None = None  # (ok, result or exception); None: cancelled before it ran
+            if future.set_running_or_notify_cancel():
+                try:
+                    outcome = (True, fn(*args, **kwargs))
+                except BaseException as exc:  # the caller's failure, delivered through its future
+                    outcome = (False, exc)
+            del args, kwargs
+            # Account before resolving: whoever awaits the future sees the job counted.
+            with cond:
+                end = self._clock()
+                bulkhead.done(job, end)
+                paced, self._paced_seen = bulkhead.paced_s - self._paced_seen, bulkhead.paced_s
+            if paced > 0:
+                catalog.DEVICE_PACED.inc(paced)
+            jobs, busy, wait = self._metrics[job.lane]
+            jobs.inc()
+            busy.inc(max(0.0, end - job.started_at))
+            wait.observe(max(0.0, job.started_at - job.queued_at))
+            if outcome is not None:
+                if outcome[0]:
+                    future.set_result(outcome[1])
+                else:
+                    future.set_exception(outcome[1])
+            del outcome
 
 
 class LaneExecutor(concurrent.futures.Executor):

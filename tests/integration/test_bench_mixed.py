@@ -21,8 +21,8 @@ def test_bench_mixed_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     mixed.add_arguments(parser)
     args = parser.parse_args(
         ["--items", "3000", "--users", "300", "--impressions", "6000", "--train-rows", "2000", "--candidates", "100", "--request-pool", "64",
-         "--device", "cpu", "--knee-rps", "40", "--measure-seconds", "0.8", "--gen-streams", "2", "--gen-tokens", "8", "--gen-prompt-tokens", "8",
-         "--gen-layers", "1", "--gen-dim", "32", "--slo-ms", "500", "--timeout-ms", "1000", "--workdir", str(tmp_path / "work"), "--json"]
+         "--device", "cpu", "--knee-rps", "40", "--measure-seconds", "0.5", "--gen-streams", "2", "--gen-tokens", "8", "--gen-prompt-tokens", "8",
+         "--gen-layers", "1", "--gen-dim", "32", "--warmup-requests", "8", "--repeats", "1", "--slo-ms", "500", "--timeout-ms", "1000", "--workdir", str(tmp_path / "work"), "--json"]
     )  # fmt: skip
     threads = torch.get_num_threads()
     try:

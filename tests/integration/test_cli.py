@@ -60,6 +60,12 @@ def test_demo_runs_catalog_and_lookups_end_to_end() -> None:
     assert "curl -s -X POST http://127.0.0.1:" in http and len(http.split("items [")[1].split("]")[0].split(",")) == 5
     ratio = float(out.stdout.split("dedup ratio ")[1].split()[0])
     assert ratio > 1.0
+    # One explanation of the top recommended item, streamed from POST /v1/generate.
+    top = int(http.split("items [")[1].split(",")[0])
+    explained = out.stdout.split(f"top recommended item {top:,} (category ")[1]
+    assert "curl -sN -X POST http://127.0.0.1:" in explained and f"item {top} is in category" in explained
+    tokens, reason = explained.split(" tokens, first after ")[0].rsplit("\n", 1)[1], explained.split("finish_reason ")[1].split()[0]
+    assert int(tokens) >= 1 and reason in ("stop", "length")
 
 
 def test_shard_info_on_an_unreachable_address_is_a_clear_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,18 +6,20 @@ Server-sent events carrying the same tokens the replica streams over gRPC (the o
 asked directly), errors before the first chunk as ordinary JSON answers naming the
 field, a client that disconnects cancelling the replica's sequence (its own
 ``/metrics``), ``/readyz`` listing the replica, the OpenAPI document describing the
-events, and — in-process, no replica — 503 from a gateway without generators.
+events, and — in-process, with a fake generator — 503 from a gateway without generators
+and an error after the first chunk arriving as the stream's last event.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import http.client
 import json
 import socket
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from recserve.cluster.gateway import GatewayCluster
 from recserve.cluster.generation import GenerationCluster
 from recserve.config import load
+from recserve.errors import Unavailable
 from recserve.gateway.app import make_app
 from recserve.gateway.openapi import openapi_document
 from recserve.gateway.tenants import TenantTable
@@ -228,26 +231,72 @@ def test_the_openapi_document_describes_the_event_stream(world: World) -> None:
     assert {"400", "401", "422", "429", "503", "504"} <= set(post["responses"])
 
 
-def test_a_gateway_without_generators_answers_503() -> None:
-    class NoDownstream:
-        clock = staticmethod(time.monotonic)
+class NoDownstream:
+    clock = staticmethod(time.monotonic)
 
-        async def check_ready(self, timeout_s: float = 1.0) -> dict[str, bool]:
-            return {}
+    async def check_ready(self, timeout_s: float = 1.0) -> dict[str, bool]:
+        return {}
 
-    async def main() -> tuple[int, dict[str, Any], str | None]:
+
+@dataclasses.dataclass
+class FakeChunk:
+    index: int
+    tokens: np.ndarray
+    text: str
+    finished: bool = False
+    finish_reason: str = ""
+    emitted_unix_us: int = 1
+
+
+class FailingGenerator:
+    """One chunk, then ``error`` (what a replica dying mid-stream looks like to the gateway)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        self.closed = False
+
+    async def generate(self, prompt: str = "", **kwargs: Any) -> AsyncIterator[FakeChunk]:
+        try:
+            yield FakeChunk(0, np.array([104], np.int32), "h")
+            raise self.error
+        finally:
+            self.closed = True
+
+    async def check_ready(self, timeout_s: float = 1.0) -> dict[str, bool]:
+        return {}
+
+
+def in_process(generator: Any, body: dict[str, Any]) -> tuple[int, dict[str, str], bytes]:
+    async def main() -> tuple[int, dict[str, str], bytes]:
         cluster = load()
-        server = TestServer(make_app(cluster, NoDownstream(), TenantTable(cluster.tenants, {}, header=cluster.gateway.api_key_header)))  # type: ignore[arg-type]
+        table = TenantTable(cluster.tenants, {}, header=cluster.gateway.api_key_header)
+        server = TestServer(make_app(cluster, NoDownstream(), table, generator=generator))  # type: ignore[arg-type]
         await server.start_server()
         try:
             async with ClientSession() as session:
-                async with session.post(str(server.make_url("/v1/generate")), json={"prompt": "hi"}) as reply:
-                    return reply.status, await reply.json(), reply.headers.get("Retry-After")
+                async with session.post(str(server.make_url("/v1/generate")), json=body) as reply:
+                    return reply.status, {k.lower(): v for k, v in reply.headers.items()}, await reply.read()
         finally:
             await server.close()
 
-    status, body, retry = asyncio.run(main())
-    assert status == 503 and retry == "1" and "no generation replicas" in body["error"]["message"]
+    return asyncio.run(main())
+
+
+def test_a_gateway_without_generators_answers_503() -> None:
+    status, headers, raw = in_process(None, {"prompt": "hi"})
+    assert status == 503 and headers["retry-after"] == "1" and "no generation replicas" in json.loads(raw)["error"]["message"]
+
+
+@pytest.mark.parametrize(("error", "status", "kind"), [(Unavailable("generator 127.0.0.1:1: Generate: UNAVAILABLE: gone"), 503, "unavailable"),
+                                                       (RuntimeError("a bug"), 500, "internal")])
+def test_an_error_after_the_first_chunk_is_the_streams_last_event(error: BaseException, status: int, kind: str) -> None:
+    generator = FailingGenerator(error)
+    got, headers, raw = in_process(generator, {"prompt": "hi"})
+    assert got == 200 and headers["content-type"].startswith("text/event-stream")
+    (e1, i1, d1), (e2, i2, d2) = events(raw)
+    assert (e1, i1, d1["tokens"], d1["finished"]) == ("chunk", 0, [104], False)
+    assert (e2, i2, d2["error"]["status"], d2["error"]["kind"]) == ("error", None, status, kind)
+    assert d2["request_id"] == headers["x-request-id"] and generator.closed
 
 
 def test_prompt_tokens_stream_like_their_text(world: World) -> None:

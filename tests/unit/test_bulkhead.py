@@ -197,6 +197,18 @@ def test_withdraw_without_announce_is_refused() -> None:
         b.withdraw(0.0)
 
 
+def test_generation_config_carries_co_locate_and_the_share() -> None:
+    from recserve.config.spec import GenerationServiceConfig
+
+    default = GenerationServiceConfig()
+    assert default.co_locate is False and default.min_device_share == 0.2
+    assert GenerationServiceConfig(co_locate=True, min_device_share=0.5).min_device_share == 0.5
+    with pytest.raises(ConfigError, match=r"generation\.min_device_share = 1\.5 is invalid"):
+        GenerationServiceConfig(min_device_share=1.5)
+    with pytest.raises(ConfigError, match=r"generation\.co_locate = 'yes' is invalid"):
+        GenerationServiceConfig(co_locate="yes")  # type: ignore[arg-type]
+
+
 # ---- the executor (one real worker thread) ------------------------------------------
 
 

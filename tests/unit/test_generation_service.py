@@ -221,6 +221,22 @@ def test_load_counts_the_tokens_a_live_stream_may_still_compute() -> None:
     run(body)
 
 
+def test_a_stream_closed_before_its_first_chunk_leaves_no_load_and_no_sequence() -> None:
+    async def body() -> None:
+        core = make_core()
+        core.start()
+        try:
+            stream = core.submit(core.request(prompt_tokens=np.arange(10, 18, dtype=np.int64), max_new_tokens=30))
+            assert core.load()[0] == 38
+            await stream.aclose()  # never iterated (a servicer that failed before its first read)
+            assert core.load()[0] == 0
+        finally:
+            await core.aclose()
+        assert core.loop.scheduler.metrics.drops[DropReason.CANCELLED] == 1 and core.policy.pool.used_count == 0
+
+    run(body)
+
+
 def test_random_weights_are_seeded_and_named_after_seed_and_shape() -> None:
     a, b = load_model(SERVICE), load_model(SERVICE)
     c = load_model(GenerationServiceConfig(**{**SERVICE.__dict__, "seed": 1}))

@@ -118,6 +118,9 @@ class Gateway:
 
 
 GATEWAY_KEY = web.AppKey("gateway", Gateway)
+# Per-request values the edge middleware sets for the handlers (typed keys: aiohttp warns on str keys).
+REQUEST_ID = web.RequestKey("request_id", str)
+ARRIVAL_S = web.RequestKey("arrival_s", float)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
@@ -167,9 +170,9 @@ async def edge_middleware(request: web.Request, handler: Handler) -> web.StreamR
     """Request id, the JSON error body for every failure, the HTTP metrics."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
     request_id = given if _SANE_REQUEST_ID.match(given) else uuid.uuid4().hex
-    request["request_id"] = request_id
+    request[REQUEST_ID] = request_id
     set_request_id(request_id)  # this request's log lines, here and downstream of the handler, carry it
-    request["arrival_s"] = request.app[GATEWAY_KEY].downstream.clock()
+    request[ARRIVAL_S] = request.app[GATEWAY_KEY].downstream.clock()
     route = _route(request)
     started = time.perf_counter()
     status = 499  # nginx's "client closed request": what a cancelled handler is counted as
@@ -276,19 +279,19 @@ def _deadline(request: web.Request, body: dict[str, Any]) -> float:
     timeout and the body's ``deadline_ms``."""
     g = request.app[GATEWAY_KEY]
     budget_ms = min(g.cluster.gateway.timeout_ms, body.get("deadline_ms", g.cluster.gateway.timeout_ms))
-    return float(request["arrival_s"]) + budget_ms / 1e3
+    return request[ARRIVAL_S] + budget_ms / 1e3
 
 
 async def recommendations(request: web.Request) -> web.Response:
     async with _Admitted(request, "RecommendRequest") as (tenant, priority, body):
         rec = await request.app[GATEWAY_KEY].downstream.recommend(
             body["user_id"], body.get("k", 0), deadline=_deadline(request, body), exclude_ids=body.get("exclude_ids"),
-            recent_item_ids=body.get("recent_item_ids"), tenant=tenant, priority=priority, request_id=request["request_id"],
+            recent_item_ids=body.get("recent_item_ids"), tenant=tenant, priority=priority, request_id=request[REQUEST_ID],
         )  # fmt: skip
     return web.json_response({
         "item_ids": rec.item_ids.tolist(), "scores": rec.scores.tolist(), "stages": [dataclasses.asdict(s) for s in rec.stages],
         "coverage": rec.coverage, "degraded": rec.degraded, "degraded_reason": rec.degraded_reason,
-        "index_version": rec.index_version, "model_version": rec.model_version, "request_id": request["request_id"],
+        "index_version": rec.index_version, "model_version": rec.model_version, "request_id": request[REQUEST_ID],
     })  # fmt: skip
 
 
@@ -296,11 +299,11 @@ async def rank(request: web.Request) -> web.Response:
     async with _Admitted(request, "RankRequest") as (tenant, priority, body):
         res = await request.app[GATEWAY_KEY].downstream.rank(
             body["user_id"], body["candidate_ids"], model=body.get("model", ""), history_item_ids=body.get("history_item_ids"),
-            deadline=_deadline(request, body), tenant=tenant, priority=priority, request_id=request["request_id"],
+            deadline=_deadline(request, body), tenant=tenant, priority=priority, request_id=request[REQUEST_ID],
         )  # fmt: skip
     return web.json_response({
         "item_ids": res.item_ids.tolist(), "scores": res.scores.tolist(), "model": res.model, "model_version": res.model_version,
-        "degraded": res.degraded, "degraded_reason": res.degraded_reason, "request_id": request["request_id"],
+        "degraded": res.degraded, "degraded_reason": res.degraded_reason, "request_id": request[REQUEST_ID],
     })  # fmt: skip
 
 
@@ -331,14 +334,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
             body.get("prompt", ""), prompt_tokens=body.get("prompt_tokens"),
             max_new_tokens=body.get("max_new_tokens", min(DEFAULT_MAX_NEW_TOKENS, g.cluster.generation.max_new_tokens_cap)),
             temperature=body.get("temperature", 0.0), seed=body.get("seed", 0), session_key=body.get("session_key", ""),
-            deadline=float(request["arrival_s"]) + budget_ms / 1e3, tenant=tenant, priority=priority, request_id=request["request_id"],
+            deadline=request[ARRIVAL_S] + budget_ms / 1e3, tenant=tenant, priority=priority, request_id=request[REQUEST_ID],
         )  # fmt: skip
         try:
             # The first chunk before any byte is sent: an error until then is a JSON answer with its own status.
             chunk = await anext(chunks, None)
             if chunk is None:
                 raise InternalError("the generation replica ended the stream without a chunk")
-            response = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: request["request_id"]})
+            response = web.StreamResponse(headers={**SSE_HEADERS, REQUEST_ID_HEADER: request[REQUEST_ID]})
             await response.prepare(request)
             try:
                 while chunk is not None:
@@ -352,7 +355,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                     log.info("POST /v1/generate: the stream failed after it started: %s", exc.message)
                 else:  # a bug: logged with its traceback; the event names only its type (http_error_body)
                     log.exception("POST /v1/generate: the stream failed after it started")
-                await response.write(sse_event("error", http_error_body(exc, request["request_id"])[1]))
+                await response.write(sse_event("error", http_error_body(exc, request[REQUEST_ID])[1]))
             await response.write_eof()
         finally:
             # Leaving early (a disconnect cancels this handler) closes the stream: that cancels the RPC.

@@ -227,9 +227,20 @@ def test_over_quota_is_429_with_retry_after(gw: GatewayWorld) -> None:
 
 
 def test_a_deadline_that_cannot_be_met_is_504(gw: GatewayWorld) -> None:
-    status, _, body = call(gw.url, "POST", "/v1/recommendations", {"user_id": 5, "k": 5, "deadline_ms": 1})
-    assert status == 504, body
-    assert body["error"]["kind"] == "deadline_exceeded"
+    # A deadline inside the cascade's reply margin opens with every stage skipped, so a
+    # fallback answer may still make it back (by design: cascade/budget.py), and on a
+    # loaded box gRPC's deadline timer can fire after such a reply has arrived. So each
+    # try is either a 504 or that all-skipped fallback, and the 504 must show up.
+    seen = []
+    for _ in range(10):
+        status, _, body = call(gw.url, "POST", "/v1/recommendations", {"user_id": 5, "k": 5, "deadline_ms": 1})
+        seen.append(status)
+        if status == 504:
+            assert body["error"]["kind"] == "deadline_exceeded"
+            break
+        assert status == 200 and body["degraded"], body
+        assert all(s["degraded_reason"] == "skipped_budget" for s in body["stages"][1:]), body
+    assert seen[-1] == 504, seen
 
 
 def test_a_gateway_whose_downstream_is_down_is_not_ready_and_answers_503(gw: GatewayWorld, tmp_path: Path) -> None:

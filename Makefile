@@ -5,8 +5,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# fbgemm's CPU build here; the CUDA build on machines with a working NVIDIA driver.
-FBGEMM := $(shell if nvidia-smi -L >/dev/null 2>&1; then echo fbgemm-gpu==1.8.0; else echo fbgemm-gpu-cpu==1.8.0; fi)
+# fbgemm's CPU build here; the CUDA build on machines with a working NVIDIA driver ("auto";
+# "cpu" / "cuda" force one). scripts/install.sh decides, for make and the Dockerfile alike.
+FBGEMM_VARIANT ?= auto
 PACKAGES := recserve embedding_server ranker cascade generation
 PYTEST_ARGS ?=
 
@@ -14,13 +15,11 @@ PYTEST_ARGS ?=
 
 venv: $(STAMP)
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock pyproject.toml scripts/install.sh
 	@# Debian strips ensurepip from its python3; python3-venv brings it back.
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV) || { rm -rf $(VENV); echo 'installing python3-venv (Debian) for the virtualenv'; apt-get update -qq && apt-get install -y -qq python3-venv >/dev/null && $(PYTHON) -m venv $(VENV); } || { echo 'cannot create .venv: install python3-venv (apt-get install python3-venv)'; exit 1; }
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -r requirements.lock $(FBGEMM)
-	# torchrec's metadata pulls the multi-GB CUDA fbgemm-gpu; its real deps are in the lock.
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps torchrec==1.8.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	@# The one install (the Dockerfile runs the same script): the lock, fbgemm, torchrec --no-deps, recserve.
+	sh scripts/install.sh $(BIN)/python $(FBGEMM_VARIANT) editable
 	@touch $@
 
 demo: $(STAMP)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 
 import grpc
@@ -20,13 +21,14 @@ import grpc
 from cascade.report import to_proto
 from cascade.service import CascadeCore, RecommendQuery, Recommendation, open_cascade
 from recserve.config.spec import ClusterConfig
-from recserve.errors import RecserveError
+from recserve.errors import RecserveError, Unimplemented
 from recserve.metrics import catalog
 from recserve.metrics.serve import start_and_record
 from recserve.rpc.deadline import context_from_header
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with
-from recserve.rpc.serving import Slot, require_admin_token, serve_loaded, wait_until_serving
+from recserve.rpc.auth import AdminAuth, TenantAuth
+from recserve.rpc.serving import Slot, serve_loaded, wait_until_serving
 from recserve.rpc.tensors import ids_from, pack
 from recserve.v1 import admin_pb2, admin_pb2_grpc, recommender_pb2, recommender_pb2_grpc
 
@@ -49,7 +51,8 @@ class CascadeProcessConfig:
     host: str = "127.0.0.1"
     port: int = 0
     port_file: str = ""
-    admin_token: str = ""
+    admin_token: str = ""  # read from $[admin] token_env; also sent on the AddItems calls to rankers and shards
+    insecure_admin: bool = False  # --insecure-admin: no token, admin operations open to every caller
     index_dir: str = ""  # a saved index to load ('' = build from the export's vectors)
     metrics_port: int = 0  # Prometheus /metrics on host (0 = a free port, -1 = none)
     metrics_port_file: str = ""  # the bound metrics port is written here before gRPC listens
@@ -67,15 +70,18 @@ def record_metrics(rec: Recommendation) -> None:
 
 
 class RecommenderServicer(recommender_pb2_grpc.RecommenderServicer):
-    def __init__(self, slot: Slot[CascadeCore]) -> None:
+    def __init__(self, slot: Slot[CascadeCore], tenants: TenantAuth | None = None) -> None:
         self.slot = slot
+        self.tenants = tenants or TenantAuth(None)
 
     async def Recommend(self, request: recommender_pb2.RecommendRequest, context: grpc.aio.ServicerContext) -> recommender_pb2.RecommendResponse:
         try:
+            # First, the tenant its key proves (also bound for the Rank calls made for it).
+            tenant = self.tenants.resolve(context.invocation_metadata(), request.header.tenant)
             core = self.slot.get()
             ctx = context_from_header(request.header, context.time_remaining(), default_timeout_s=core.config.default_deadline_ms / 1e3)
             query = core.query(request.user_id, request.k, ids_from(request.exclude_ids, "exclude_ids"), ids_from(request.recent_item_ids, "recent_item_ids"),
-                               deadline=ctx.deadline, tenant=ctx.tenant, priority=ctx.priority, request_id=ctx.request_id)
+                               deadline=ctx.deadline, tenant=tenant, priority=ctx.priority, request_id=ctx.request_id)
             rec = await core.recommend(query)
         except RecserveError as exc:
             await abort_with(context, exc)
@@ -91,14 +97,13 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, slot: Slot[CascadeCore], process: CascadeProcessConfig) -> None:
         self.slot = slot
         self.process = process
-
-    def _check_token(self, token: str, method: str) -> None:
-        require_admin_token(token, self.process.admin_token, f"Admin.{method}")
+        self.admin = AdminAuth(process.admin_token, token_env=process.cluster.admin.token_env, insecure=process.insecure_admin)
 
     async def RefreshIndex(self, request: admin_pb2.RefreshIndexRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RefreshIndexResponse:
         try:
+            self.admin.check(context.invocation_metadata(), "Admin.RefreshIndex", request.admin_token)  # before anything about the process shows
+            context_from_header(request.header, context.time_remaining())  # an expired request is refused, not executed
             core = self.slot.get()
-            self._check_token(request.admin_token, "RefreshIndex")
             t0 = time.perf_counter()
             new, old = await core.refresh_index(request.index_path)
         except RecserveError as exc:
@@ -108,8 +113,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def AddItems(self, request: admin_pb2.AddItemsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.AddItemsResponse:
         try:
+            self.admin.check(context.invocation_metadata(), "Admin.AddItems", request.admin_token)
+            context_from_header(request.header, context.time_remaining())  # an expired request is refused, not executed
             core = self.slot.get()
-            self._check_token(request.admin_token, "AddItems")
             ids = ids_from(request.item_ids, "item_ids")
             version, added, upserted = await core.add_items(
                 ids, ids_from(request.categories, "categories"), ids_from(request.tag_ids, "tag_ids"), ids_from(request.tag_lengths, "tag_lengths"),
@@ -119,8 +125,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             raise
         return admin_pb2.AddItemsResponse(index_version=version, added=added, upserted_rows=upserted, num_items=core.view.num_items)
 
+    async def ReloadModels(self, request: admin_pb2.ReloadModelsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ReloadModelsResponse:
+        # The generated base would answer "Unexpected <class 'NotImplementedError'>".
+        await abort_with(context, Unimplemented("Admin.ReloadModels is served by the rankers (recserve ranker serve), not by the cascade: send it to each ranker"))
+        raise AssertionError("unreachable: abort raises")
+
     async def ModelStatus(self, request: admin_pb2.ModelStatusRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ModelStatusResponse:
         try:
+            context_from_header(request.header, context.time_remaining())  # an expired request is refused, not executed
             core = self.slot.get()
         except RecserveError as exc:
             await abort_with(context, exc)
@@ -129,7 +141,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
 
 async def _load(config: CascadeProcessConfig) -> CascadeCore:
-    await wait_until_serving(config.ranker_addresses, service="recserve.v1.Ranking", what="ranker", timeout_s=RANKER_WAIT_S)
+    await wait_until_serving(config.ranker_addresses, service="recserve.v1.Ranking", what="ranker", timeout_s=RANKER_WAIT_S, tls=config.cluster.tls)
     return await open_cascade(config.cluster, config.models_dir, config.ranker_addresses, shard_addresses=config.shard_addresses,
                               admin_token=config.admin_token, index_dir=config.index_dir)
 
@@ -146,7 +158,7 @@ async def serve(config: CascadeProcessConfig, stop: asyncio.Event | None = None)
     start_and_record(config.host, config.metrics_port, config.metrics_port_file)
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
     slot: Slot[CascadeCore] = Slot("cascade (index and rankers)")
-    recommender_pb2_grpc.add_RecommenderServicer_to_server(RecommenderServicer(slot), server)
+    recommender_pb2_grpc.add_RecommenderServicer_to_server(RecommenderServicer(slot, TenantAuth.from_cluster(config.cluster, os.environ)), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(slot, config), server)
     health = await add_health_and_reflection(server, [RECOMMENDER_SERVICE, ADMIN_SERVICE])
 
@@ -154,7 +166,7 @@ async def serve(config: CascadeProcessConfig, stop: asyncio.Event | None = None)
         log.info("cascade SERVING on %s:%d: index %s, model_version %s", config.host, port, core.index_version, core.view.model_version)
 
     await serve_loaded(server, health, [RECOMMENDER_SERVICE, ADMIN_SERVICE], slot, lambda: _load(config), what="cascade", host=config.host,
-                       port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S)  # fmt: skip
+                       port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S, tls=config.cluster.tls)  # fmt: skip
 
 
 __all__ = ["CascadeProcessConfig", "RecommendQuery", "serve"]

@@ -43,7 +43,7 @@ from cascade.report import DegradedReason, StageReport, summarize
 from cascade.serving_log import ServingLog
 from cascade.sources import PopularByCategory, merge_candidates, recent_categories
 from recserve.client import RankingClient
-from recserve.config.spec import CascadeConfig, ClusterConfig
+from recserve.config.spec import CascadeConfig, ClusterConfig, TlsConfig
 from recserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, RecserveError, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,8 @@ class CascadeCore:
     """Runs Recommend requests (see the module docstring)."""
 
     def __init__(self, config: CascadeConfig, view: ExportView, index: IndexHolder, client: RankingClient, *,
-                 shard_addresses: Sequence[str] = (), admin_token: str = "", clock: Callable[[], float] = time.monotonic, serving_log: ServingLog | None = None) -> None:  # fmt: skip
+                 shard_addresses: Sequence[str] = (), admin_token: str = "", clock: Callable[[], float] = time.monotonic, serving_log: ServingLog | None = None,
+                 tls: TlsConfig | None = None) -> None:  # fmt: skip
         self.config = config
         self.view = view
         self.index = index
@@ -109,7 +110,8 @@ class CascadeCore:
         self.prior = (POPULARITY_PRIOR * imp / max(float(imp.max()), 1e-6)).astype(np.float32)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="cascade-l0")
         self.shard_addresses = tuple(shard_addresses)
-        self.admin_token = admin_token
+        self.admin_token = admin_token  # sent as 'authorization: Bearer' metadata on AddItems' calls
+        self.tls = tls  # the rankers' [tls] (AddItems' own channels)
         self.num_categories = int(view.manifest["catalog"]["categories"]) if view.manifest else int(np.asarray(view.item_category).max()) + 1
         self._means: dict[str, np.ndarray] = {}
         self._adding = asyncio.Lock()
@@ -322,7 +324,7 @@ class CascadeCore:
             written = 0
             for table in self.view.manifest.get("item_tables", []):
                 rows = np.take(await asyncio.to_thread(self._category_means, table), categories, axis=0)
-                acks = await send_upsert(transport, plan, table, ids, rows, header=make_header(timeout_s=30.0), admin_token=self.admin_token, timeout_s=30.0)
+                acks = await send_upsert(transport, plan, table, ids, rows, header=make_header(timeout_s=30.0), admin_token=self.admin_token, timeout_s=30.0)  # as metadata
                 written += sum(acks.values())
             return written
         finally:
@@ -344,6 +346,7 @@ class CascadeCore:
         """Admin.AddItems on every ranker (all must learn the items); their vectors [N, d]."""
         import grpc
 
+        from recserve.rpc.auth import admin_metadata, open_channel
         from recserve.rpc.deadline import make_header
         from recserve.rpc.status import error_from_code
         from recserve.rpc.tensors import pack, unpack
@@ -351,12 +354,12 @@ class CascadeCore:
         from recserve.v1.admin_pb2_grpc import AdminStub
 
         request = admin_pb2.AddItemsRequest(header=make_header(timeout_s=30.0), item_ids=pack(ids), categories=pack(categories), tag_ids=pack(tag_ids),
-                                            tag_lengths=pack(tag_lengths), admin_token=self.admin_token)  # fmt: skip
+                                            tag_lengths=pack(tag_lengths))  # fmt: skip
         vectors: np.ndarray | None = None
         for address in self.client.addresses:  # a handful of replicas, once per AddItems
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with open_channel(address, self.tls) as channel:
                 try:
-                    reply = await AdminStub(channel).AddItems(request, timeout=30.0)
+                    reply = await AdminStub(channel).AddItems(request, timeout=30.0, metadata=admin_metadata(self.admin_token))
                 except grpc.aio.AioRpcError as exc:
                     raise error_from_code(exc.code(), f"ranker {address}: AddItems: {exc.details()}") from None
             if vectors is None:
@@ -407,6 +410,6 @@ async def open_cascade(cluster: ClusterConfig, models_dir: str | Path, ranker_ad
         index = await asyncio.to_thread(RetrievalIndex.load, index_dir, dim=int(view.item_vectors.shape[1]), model_version=view.model_version)
     else:
         index = await asyncio.to_thread(build_index, np.asarray(view.item_vectors), None, index_config(cluster.cascade), model_version=view.model_version, progress=progress)
-    client = RankingClient(ranker_addresses, cluster.routing)
+    client = RankingClient(ranker_addresses, cluster.routing, tls=cluster.tls)
     await client.start()
-    return CascadeCore(cluster.cascade, view, IndexHolder(index), client, shard_addresses=shard_addresses, admin_token=admin_token)
+    return CascadeCore(cluster.cascade, view, IndexHolder(index), client, shard_addresses=shard_addresses, admin_token=admin_token, tls=cluster.tls)

@@ -8,7 +8,9 @@ out, the ``max(needed, capacity / 8)`` least recently used slots are freed with 
 ``argpartition``, so its O(capacity) cost is paid once per eighth of the cache.
 
 The byte bound covers rows and per-slot bookkeeping (row bytes + 16 B per slot); the
-dense id map (4 B per table row) is index overhead reported by :attr:`index_bytes`.
+dense key map (4 B per key of ``id_space``) is index overhead reported by
+:attr:`index_bytes`. The cold tier keys it by each row's ordinal among the shard's cold
+rows, so the map is sized to the rows the shard owns, not to the table.
 Not thread-safe: the owning tier serialises access.
 
 Example::

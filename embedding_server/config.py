@@ -41,7 +41,9 @@ class ShardProcessConfig:
     server: ShardServerConfig = ShardServerConfig()
     tier_dtype: str = "plan"
     default_value: float = 0.0
-    admin_token: str = ""
+    admin_token: str = ""  # Upsert needs 'authorization: Bearer <this>' metadata; "" = Upsert refused unless insecure_admin
+    admin_token_env: str = "RECSERVE_ADMIN_TOKEN"  # where the token was read from (named in messages)
+    insecure_admin: bool = False  # --insecure-admin: no token, Upsert open to every caller
     sync_writes: bool = False
     fault_hook: bool = False
     load_gate_file: str | None = None

@@ -42,7 +42,10 @@ from embedding_server.store import RowStore
 from recserve.errors import Unavailable
 from recserve.metrics.collectors import SHARD as SHARD_METRICS
 from recserve.metrics.serve import start_and_record
+from recserve.rpc.auth import AdminAuth
+from recserve.rpc.health import DeepCheck
 from recserve.rpc.server import add_health_and_reflection, make_server
+from recserve.rpc.tensors import pack
 from recserve.rpc.serving import write_port_file
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
@@ -107,6 +110,22 @@ def load_core(config: ShardProcessConfig, plan: ShardingPlan, layouts: dict[str,
         raise
 
 
+PROBE_IDS_PER_TABLE = 2
+
+
+def probe_request(plan: ShardingPlan, shard_id: int, layouts: dict[str, TableLayout]) -> embedding_pb2.LookupRequest:
+    """The deep check's fixed lookup: the first ``PROBE_IDS_PER_TABLE`` ids this shard
+    owns whole (its cold ids, else its hot ones) of every table it serves, so a table
+    that is not loaded fails it."""
+    request = embedding_pb2.LookupRequest()
+    for name in sorted(layouts):
+        owned = plan.assignment(shard_id, name)
+        ids = owned.cold_ids if len(owned.cold_ids) else owned.hot_ids
+        if len(ids):
+            request.tables.add(table=name, ids=pack(ids[:PROBE_IDS_PER_TABLE].astype("int64")))
+    return request
+
+
 async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -> None:
     """Run one shard until ``stop`` is set or SIGTERM / SIGINT arrives."""
     set_threads(config.server.threads)
@@ -123,7 +142,7 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
         plan_json=plan.to_json(),
         executor=executor,
         faults=faults,
-        admin_token=config.admin_token,
+        admin=AdminAuth(config.admin_token, token_env=config.admin_token_env, insecure=config.insecure_admin),
         inline_ids=INLINE_LOOKUP_IDS if config.server.threads == 1 else 0,
     )
     SHARD_METRICS.track(service, service.metrics_reading)  # recserve_shard_*, read at scrape time
@@ -160,6 +179,7 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
         except (NotImplementedError, RuntimeError):  # not the main thread (tests)
             pass
     core: ShardCore | None = None
+    deep: DeepCheck | None = None
     try:
         if config.load_gate_file:
             while not os.path.exists(config.load_gate_file) and not stop.is_set():
@@ -170,8 +190,15 @@ async def serve(config: ShardProcessConfig, stop: asyncio.Event | None = None) -
             for name in ("", SERVICE_NAME):
                 await health.set(name, health_pb2.HealthCheckResponse.SERVING)
             log.info("shard %d SERVING plan v%d tables %s", config.shard_id, plan.version, sorted(layouts))
+            # Readiness from here on also needs the deep check: a fixed lookup on the executor.
+            service.set_probe(probe_request(plan, config.shard_id, layouts))
+            deep = DeepCheck(health, [SERVICE_NAME], service.deep_probe, on_change=service.set_not_serving, what=f"shard {config.shard_id}")
+            await deep.check_once()  # the baseline rows
+            deep.start()
         await stop.wait()
     finally:
+        if deep is not None:
+            await deep.aclose()
         # Watchers get NOT_SERVING and their streams end (recserve.rpc.server.Health), so
         # the grace below waits only for in-flight Lookup/Upsert RPCs, not for watchers.
         await health.enter_graceful_shutdown()

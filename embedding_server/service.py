@@ -21,7 +21,6 @@ otherwise be answered and counted twice). A pooled request carries at most
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import Callable
@@ -33,7 +32,8 @@ import grpc
 from embedding_server.fault import FaultInjector
 from embedding_server.shard import ShardCore, count_ids
 from embedding_server.stats import LatencyWindow, ShardCounters, cpu_seconds, rss_bytes
-from recserve.errors import PermissionDenied, RecserveError, Unavailable
+from recserve.errors import InternalError, RecserveError, Unavailable
+from recserve.rpc.auth import AdminAuth
 from recserve.rpc.deadline import context_from_header
 from recserve.rpc.status import abort_with
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
@@ -56,7 +56,7 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         plan_json: str,
         executor: Executor,
         faults: FaultInjector,
-        admin_token: str = "",
+        admin: AdminAuth | None = None,
         inline_ids: int = 0,
     ) -> None:
         """``inline_ids``: lookups of at most this many ids run on the event loop while
@@ -69,12 +69,20 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         self.plan_json = plan_json
         self.executor = executor
         self.faults = faults
-        self.admin_token = admin_token
+        # Upsert's check (recserve.rpc.auth): default refuses every Upsert (no token, not insecure).
+        self.admin = admin or AdminAuth("")
         self.core: ShardCore | None = None
         self.counters = ShardCounters()
         self.latency = LatencyWindow()
         self.inline_ids = inline_ids
         self._executor_jobs = 0  # core calls submitted to the executor and not finished
+        # Why the deep check fails ("" = it passes): calls then answer UNAVAILABLE, so the
+        # lookup clients' breakers take this replica out (recserve.rpc.health).
+        self.not_serving = ""
+        self.upserts_started = 0  # Upserts sent to the core: the deep check re-reads its rows after one
+        self._probe_request: embedding_pb2.LookupRequest | None = None
+        self._probe_expected: list[bytes] | None = None
+        self._probe_upserts = -1
 
     async def _on_executor(self, fn: Callable[..., T], *args: Any) -> T:
         # A job counts until the executor is done with it, not until its RPC is: a
@@ -109,7 +117,35 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
     def _ready(self) -> ShardCore:
         if self.core is None:
             raise Unavailable(f"shard {self.shard_id} is loading its tiers; retry shortly", retry_after_s=0.5)
+        if self.not_serving:
+            raise Unavailable(f"shard {self.shard_id} is NOT_SERVING: {self.not_serving}", retry_after_s=1.0)
         return self.core
+
+    def set_not_serving(self, reason: str) -> None:
+        """The deep check's verdict (recserve.rpc.health.DeepCheck's ``on_change``)."""
+        self.not_serving = reason
+
+    def set_probe(self, request: embedding_pb2.LookupRequest) -> None:
+        """The fixed lookup the deep check runs: a few owned ids of every table."""
+        self._probe_request = request
+
+    async def deep_probe(self) -> None:
+        """Run the fixed lookup on the executor, as a Lookup would, and compare its rows
+        with those it answered before. The baseline is (re)taken on the first probe and
+        after any Upsert (which may rightly change them); a table that is not loaded
+        fails the lookup, a wedged executor never answers (DeepCheck's timeout)."""
+        core, request = self.core, self._probe_request
+        if core is None or request is None:
+            raise Unavailable(f"shard {self.shard_id} has no core loaded")
+        upserts = self.upserts_started
+        outcome = await self._on_executor(core.lookup, request, time.monotonic() + 60.0)
+        got = [t.rows.SerializeToString() + t.found.SerializeToString() for t in outcome.response.tables]  # the answer, not its stats
+        if self._probe_expected is None or upserts != self._probe_upserts or self.upserts_started != upserts:
+            self._probe_expected, self._probe_upserts = got, upserts
+            return
+        if got != self._probe_expected:
+            tables = [t.table for t in request.tables]
+            raise InternalError(f"shard {self.shard_id}: the fixed lookup of tables {tables} answered other rows than before (no upsert since)")
 
     async def _fail(self, context: grpc.aio.ServicerContext, method: str, error: Exception) -> None:
         self.counters.errors += 1
@@ -147,11 +183,11 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         self.counters.rpcs += 1
         try:
             await self.faults.before("Upsert", context)
-            if self.admin_token and not hmac.compare_digest(request.admin_token.encode(), self.admin_token.encode()):
-                raise PermissionDenied(f"shard {self.shard_id}: Upsert needs the admin token (set admin_token)")
+            self.admin.check(context.invocation_metadata(), f"shard {self.shard_id}: Upsert", request.admin_token)
             core = self._ready()
             context_from_header(request.header, context.time_remaining())
             core.check_size(count_ids(request.tables), "UpsertRequest")
+            self.upserts_started += 1
             written = await self._on_executor(core.upsert, request)
         except Exception as exc:  # noqa: BLE001
             await self._fail(context, "Upsert", exc)

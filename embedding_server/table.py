@@ -1,10 +1,14 @@
 """One table on one shard: routes a request's ids to the tiers and assembles the reply.
 
-A dense per-table map built once from the :class:`~embedding_server.layout.TableLayout`
-(``code`` uint8 and ``slot`` int32 over the id space, 5 B per row) turns routing into
-two ``np.take`` calls: ``code`` is a :class:`Residence` (where the id resides on *this*
-shard: not owned, hot, cold, or ``WARM0 + j`` = warm slice j of this shard); ``slot`` is
-the row's slot in its DRAM tier. The state here is
+An index built once from the :class:`~embedding_server.layout.TableLayout` and sized to
+the rows this shard owns, not to the table (at 10**9 rows and 256 shards a map over
+the id space would cost 9 GB per shard): ``owned_ids`` int64 sorted, with parallel
+``owned_code`` uint8 and ``owned_slot`` int32 (13 B per owned row). One
+``searchsorted`` + two ``np.take`` per request give each id's :class:`Residence` (where
+it resides on *this* shard: not owned, hot, cold, or ``WARM0 + j`` = warm slice j of
+this shard) and its slot: the row's slot in its DRAM tier, or for cold rows the row's
+ordinal among this shard's cold rows, which keys the row cache (so its map is 4 B per
+owned cold row too). The state here is
 synchronous and does no network I/O; a per-table lock serialises gathers and upserts so
 a cold read racing an upsert can never re-cache a stale row.
 """
@@ -27,7 +31,7 @@ from recserve.sharding.plan import Tier
 
 
 class Residence(enum.IntEnum):
-    """Where an id resides on this shard: the uint8 values of :attr:`TableTiers.code`.
+    """Where an id resides on this shard: the uint8 values of :attr:`TableTiers.owned_code`.
 
     Not the plan's :class:`~recserve.sharding.plan.Tier`: a warm id is stored here as one
     column slice, so warm slice j of this shard is ``WARM0 + j`` (one code per storage
@@ -84,22 +88,40 @@ class TableTiers:
         self.name, self.rows, self.dim = layout.name, layout.rows, layout.dim
         self.default_value = default_value
         self.lock = threading.Lock()
-        self.code = np.zeros(layout.rows, dtype=np.uint8)
-        self.slot = np.full(layout.rows, -1, dtype=np.int32)
-        common = dict(table=layout.name, store=store, dtype=dtype, id_space=layout.rows, cache_bytes=cache_bytes)
+        # The cold tier's row cache is keyed by cold ordinal: its key space is the
+        # shard's cold rows, not the table's id space.
+        common = dict(table=layout.name, store=store, dtype=dtype, cache_bytes=cache_bytes)
         self.tiers: dict[int, StorageTier] = {  # keyed by Residence code
-            Residence.HOT: build_tier(Tier.HOT, ids=layout.hot_ids, col_start=0, col_end=layout.dim, **common),  # type: ignore[arg-type]
-            Residence.COLD: build_tier(Tier.COLD, ids=layout.cold_ids, col_start=0, col_end=layout.dim, **common),  # type: ignore[arg-type]
+            Residence.HOT: build_tier(Tier.HOT, ids=layout.hot_ids, col_start=0, col_end=layout.dim, id_space=0, **common),  # type: ignore[arg-type]
+            Residence.COLD: build_tier(Tier.COLD, ids=layout.cold_ids, col_start=0, col_end=layout.dim, id_space=len(layout.cold_ids), **common),  # type: ignore[arg-type]
         }
-        self._index(layout.hot_ids, Residence.HOT)
-        self.code[layout.cold_ids] = Residence.COLD
+        members: list[tuple[np.ndarray, int]] = [(layout.hot_ids, Residence.HOT), (layout.cold_ids, Residence.COLD)]
         for j, warm in enumerate(layout.warm):
-            self.tiers[Residence.WARM0 + j] = build_tier(Tier.WARM, ids=warm.ids, col_start=warm.col_start, col_end=warm.col_end, **common)  # type: ignore[arg-type]
-            self._index(warm.ids, Residence.WARM0 + j)
+            self.tiers[Residence.WARM0 + j] = build_tier(Tier.WARM, ids=warm.ids, col_start=warm.col_start, col_end=warm.col_end, id_space=0, **common)  # type: ignore[arg-type]
+            members.append((warm.ids, Residence.WARM0 + j))
+        ids = np.concatenate([np.asarray(m, dtype=np.int64) for m, _ in members])
+        order = np.argsort(ids, kind="stable")  # start-up, once
+        self.owned_ids = np.ascontiguousarray(np.take(ids, order))
+        # TableLayout guarantees each id at most one tier here, so the ids are distinct.
+        self.owned_code = np.take(np.concatenate([np.full(len(m), code, dtype=np.uint8) for m, code in members]), order)
+        self.owned_slot = np.take(np.concatenate([np.arange(len(m), dtype=np.int32) for m, _ in members]), order)
 
-    def _index(self, ids: np.ndarray, code: int) -> None:
-        self.code[ids] = code
-        self.slot[ids] = np.arange(len(ids), dtype=np.int32)
+    def residence(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Validated ids [N] -> (uint8 :class:`Residence` [N], int32 slot [N]); ids this
+        shard does not own get ``NOT_OWNED`` and an unspecified slot."""
+        n_owned = self.owned_ids.size
+        if n_owned == 0:
+            return np.zeros(len(ids), dtype=np.uint8), np.zeros(len(ids), dtype=np.int32)
+        at = np.minimum(np.searchsorted(self.owned_ids, ids), n_owned - 1)
+        codes = np.take(self.owned_code, at)
+        codes[np.take(self.owned_ids, at) != ids] = Residence.NOT_OWNED
+        return codes, np.take(self.owned_slot, at)
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the id index and the row cache's key map: 13 B per owned row + 4 B
+        per owned cold row (``recserve.sharding.simulate.index_bytes`` is the closed form)."""
+        return int(self.owned_ids.nbytes + self.owned_code.nbytes + self.owned_slot.nbytes + self.cold_cache.index_bytes)
 
     # -- validation ----------------------------------------------------------------
 
@@ -133,7 +155,7 @@ class TableTiers:
         row and ``found = 0``. Never raises for missing or foreign ids.
         """
         n, width = len(ids), col_end - col_start
-        codes = np.take(self.code, ids)
+        codes, slots = self.residence(ids)
         parts: list[tuple[np.ndarray, np.ndarray]] = []  # (positions, rows) per group
         found = np.zeros(n, dtype=np.uint8)
         not_owned = np.ones(n, dtype=np.uint8)
@@ -145,8 +167,7 @@ class TableTiers:
                 pos = np.flatnonzero(codes == code)
                 if len(pos) == 0:
                     continue
-                group_ids = np.take(ids, pos)
-                rows, ok = tier.gather(group_ids, np.take(self.slot, group_ids), col_start, col_end, out)
+                rows, ok = tier.gather(np.take(ids, pos), np.take(slots, pos), col_start, col_end, out)
                 parts.append((pos, rows))
                 not_owned[pos] = 0
                 found[pos[ok]] = 1
@@ -179,7 +200,7 @@ class TableTiers:
         self.check_ids(ids, f"upsert {self.name}.ids")
         if len(np.unique(ids)) != len(ids):
             raise InvalidArgument(f"upsert {self.name}.ids: ids must be unique within one upsert")
-        codes = np.take(self.code, ids)
+        codes, slots = self.residence(ids)
         covered = np.zeros(len(ids), dtype=bool)
         groups: list[tuple[StorageTier, np.ndarray, np.ndarray, np.ndarray]] = []
         for code, tier in self.tiers.items():
@@ -188,7 +209,7 @@ class TableTiers:
                 continue
             group_ids = np.take(ids, pos)
             group_rows = np.take(rows, pos, axis=0)[:, tier.col_start - col_start : tier.col_end - col_start]
-            groups.append((tier, group_ids, np.take(self.slot, group_ids), np.ascontiguousarray(group_rows, dtype=np.float32)))
+            groups.append((tier, group_ids, np.take(slots, pos), np.ascontiguousarray(group_rows, dtype=np.float32)))
             covered[pos] = True
         if not covered.all():
             raise FailedPrecondition(

@@ -106,7 +106,8 @@ class DramTier(StorageTier):
 
 
 class ColdTier(StorageTier):
-    """Full rows from RocksDB through an LRU row cache; ``slots`` are unused."""
+    """Full rows from RocksDB through an LRU row cache keyed by ``slots``: each row's
+    ordinal among this shard's cold rows, so the cache's key map is sized to them."""
 
     kind = Tier.COLD
 
@@ -117,7 +118,7 @@ class ColdTier(StorageTier):
         self.rocksdb_reads = 0  # keys multi-got from RocksDB (misses, unique per call)
 
     def gather(self, ids: np.ndarray, slots: np.ndarray, col_start: int, col_end: int, out: RowDType) -> tuple[np.ndarray, np.ndarray]:
-        rows, hit = self.cache.get(ids)
+        rows, hit = self.cache.get(slots)
         found = hit.copy()
         if not hit.all():
             miss = np.flatnonzero(~hit)
@@ -125,17 +126,18 @@ class ColdTier(StorageTier):
             # put needs unique ids), and RocksDB's multi-get on keys in key order is
             # ~15% faster here (5.1 vs 6.1 µs per key). Sorting the misses costs far
             # less than fetching them.
-            miss_ids, inverse = np.unique(np.take(ids, miss), return_inverse=True)
+            miss_ids, first, inverse = np.unique(np.take(ids, miss), return_index=True, return_inverse=True)
+            miss_slots = np.take(np.take(slots, miss), first)  # slot is a function of the id
             fetched, present = self.store.get_rows(self.table, miss_ids, 0, self.col_end)
             self.rocksdb_reads += int(miss_ids.shape[0])
             # Only stored rows are cached; absent ids are answered by the bloom filter.
-            self.cache.put(miss_ids[present], fetched[present])
+            self.cache.put(miss_slots[present], fetched[present])
             rows[miss] = np.take(fetched, inverse, axis=0)
             found[miss] = np.take(present, inverse)
         return _convert(rows, RowDType.FLOAT32, col_start, col_end, self.width, out), found
 
     def write(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
-        self.cache.put(ids, rows)
+        self.cache.put(slots, rows)
 
     @property
     def num_rows(self) -> int:
@@ -159,7 +161,7 @@ def build_tier(
     cache_bytes: int,
 ) -> StorageTier:
     """The tier factory: DRAM tiers are loaded from ``store`` here; the cold tier gets a
-    row cache bounded by ``cache_bytes``."""
+    row cache bounded by ``cache_bytes`` over ``id_space`` keys (its cold rows' ordinals)."""
     if kind is Tier.COLD:
         cache = RowCache(id_space=id_space, width=col_end, capacity_bytes=cache_bytes)
         return ColdTier(table, store, col_end, len(ids), cache)

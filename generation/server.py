@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -32,6 +33,7 @@ from recserve.errors import RecserveError
 from recserve.metrics.serve import start_and_record
 from recserve.rpc.deadline import context_from_header
 from recserve.rpc.server import add_health_and_reflection, make_server
+from recserve.rpc.auth import TenantAuth
 from recserve.rpc.serving import Slot, serve_loaded
 from recserve.rpc.status import abort_with
 from recserve.rpc.tensors import ids_from, pack_into
@@ -73,20 +75,22 @@ def to_proto(chunk: GenerationChunk) -> generation_pb2.GenerateChunk:
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     """``Generate`` on the core in ``slot`` (empty while loading: UNAVAILABLE)."""
 
-    def __init__(self, slot: Slot[GenerationCore]) -> None:
+    def __init__(self, slot: Slot[GenerationCore], tenants: TenantAuth | None = None) -> None:
         self.slot = slot
+        self.tenants = tenants or TenantAuth(None)  # None: the header's tenant as it is
 
     async def Generate(  # type: ignore[override]
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext,
     ) -> AsyncIterator[generation_pb2.GenerateChunk]:
         try:
+            tenant = self.tenants.resolve(context.invocation_metadata(), request.header.tenant)  # first: who asks
             core = self.slot.get()
             ctx = context_from_header(request.header, context.time_remaining(), default_timeout_s=core.config.default_timeout_ms / 1e3)
             tokens = ids_from(request.prompt_tokens, "prompt_tokens")
             checked = core.request(prompt=request.prompt, prompt_tokens=tokens, max_new_tokens=request.max_new_tokens,
                                    temperature=request.temperature, seed=request.seed)  # fmt: skip
             active, occupancy = core.load()
-            stream = core.submit(checked, deadline=ctx.deadline, tenant=ctx.tenant, priority=ctx.priority, request_id=ctx.request_id)
+            stream = core.submit(checked, deadline=ctx.deadline, tenant=tenant, priority=ctx.priority, request_id=ctx.request_id)
         except RecserveError as exc:
             await abort_with(context, exc)
             raise  # unreachable: abort raises
@@ -116,7 +120,7 @@ async def serve(config: GenerationProcessConfig, stop: asyncio.Event | None = No
     start_and_record(config.host, config.metrics_port, config.metrics_port_file)
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
     slot: Slot[GenerationCore] = Slot("generation model")
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(slot), server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(slot, TenantAuth.from_cluster(config.cluster, os.environ)), server)
     health = await add_health_and_reflection(server, [GENERATION_SERVICE])
 
     def ready(core: GenerationCore, port: int) -> None:
@@ -125,7 +129,7 @@ async def serve(config: GenerationProcessConfig, stop: asyncio.Event | None = No
                  core.model_version, core.context_limit, core.engine.device)  # fmt: skip
 
     await serve_loaded(server, health, [GENERATION_SERVICE], slot, lambda: load_core(config), what="generation", host=config.host,
-                       port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S)  # fmt: skip
+                       port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S, tls=config.cluster.tls)  # fmt: skip
 
 
 __all__ = ["GENERATION_SERVICE", "GenerationProcessConfig", "GenerationServicer", "load_core", "serve", "to_proto"]

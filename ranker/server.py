@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -40,13 +41,15 @@ from ranker.batch import QueryKind
 from ranker.serving import versions_from_shard_info
 from ranker.service import Answer, RankingCore, open_model_set
 from recserve.config.spec import ClusterConfig
-from recserve.errors import InvalidArgument, RecserveError, Unavailable
+from recserve.errors import InvalidArgument, RecserveError, Unavailable, Unimplemented
 from recserve.metrics import catalog
 from recserve.metrics.serve import start_and_record
 from recserve.rpc.deadline import RequestContext, context_from_header
+from recserve.rpc.health import DeepCheck
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with, error_from_code
-from recserve.rpc.serving import Slot, require_admin_token, serve_loaded, wait_until_serving
+from recserve.rpc.auth import DEFAULT_TOKEN_ENV, AdminAuth, TenantAuth
+from recserve.rpc.serving import Slot, serve_loaded, wait_until_serving
 from recserve.rpc.tensors import ids_from, pack
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import admin_pb2, admin_pb2_grpc, common_pb2, embedding_pb2, ranking_pb2, ranking_pb2_grpc
@@ -57,7 +60,7 @@ log = logging.getLogger(__name__)
 RANKING_SERVICE = ranking_pb2.DESCRIPTOR.services_by_name["Ranking"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["Admin"].full_name
 RANKING_SHORT = RANKING_SERVICE.rpartition(".")[2]  # the service label of recserve's metrics
-ADMIN_TOKEN_ENV = "RECSERVE_ADMIN_TOKEN"
+ADMIN_TOKEN_ENV = DEFAULT_TOKEN_ENV  # [admin] token_env's default
 MAX_MESSAGE_BYTES = 64 << 20
 GRACE_S = 2.0
 SHARD_INFO_TIMEOUT_S = 10.0
@@ -74,7 +77,8 @@ class RankerProcessConfig:
     host: str = "127.0.0.1"
     port: int = 0
     port_file: str = ""
-    admin_token: str = ""
+    admin_token: str = ""  # read from $[admin] token_env; "" = admin refused unless insecure_admin
+    insecure_admin: bool = False  # --insecure-admin: no token, admin operations open to every caller
     metrics_port: int = 0  # Prometheus /metrics on host (0 = a free port, -1 = none)
     metrics_port_file: str = ""  # the bound metrics port is written here before gRPC listens
 
@@ -106,15 +110,17 @@ def _reason(answer: Answer) -> str:
 
 
 class RankingServicer(ranking_pb2_grpc.RankingServicer):
-    def __init__(self, slot: Slot[RankingCore]) -> None:
+    def __init__(self, slot: Slot[RankingCore], tenants: TenantAuth | None = None) -> None:
         self.slot = slot
+        self.tenants = tenants or TenantAuth(None)
 
     async def Rank(self, request: ranking_pb2.RankRequest, context: grpc.aio.ServicerContext) -> ranking_pb2.RankResponse:
         try:
+            tenant = self.tenants.resolve(context.invocation_metadata(), request.header.tenant)  # first: who asks
             core = self.slot.get()
             ctx = _context(request.header, context, core)
             query = core.query(QueryKind.RANK, request.model, request.user_id, ids_from(request.candidate_ids, "candidate_ids"), ids_from(request.history_item_ids, "history_item_ids"))
-            a = await core.submit(query, deadline=ctx.deadline, tenant=ctx.tenant, priority=ctx.priority, request_id=ctx.request_id)
+            a = await core.submit(query, deadline=ctx.deadline, tenant=tenant, priority=ctx.priority, request_id=ctx.request_id)
         except RecserveError as exc:
             await abort_with(context, exc)
             raise  # unreachable: abort raises
@@ -127,10 +133,11 @@ class RankingServicer(ranking_pb2_grpc.RankingServicer):
 
     async def EmbedUser(self, request: ranking_pb2.EmbedUserRequest, context: grpc.aio.ServicerContext) -> ranking_pb2.EmbedUserResponse:
         try:
+            tenant = self.tenants.resolve(context.invocation_metadata(), request.header.tenant)  # first: who asks
             core = self.slot.get()
             ctx = _context(request.header, context, core)
             query = core.query(QueryKind.EMBED, "", request.user_id, np.zeros(0, np.int64), ids_from(request.history_item_ids, "history_item_ids"))
-            a = await core.submit(query, deadline=ctx.deadline, tenant=ctx.tenant, priority=ctx.priority, request_id=ctx.request_id)
+            a = await core.submit(query, deadline=ctx.deadline, tenant=tenant, priority=ctx.priority, request_id=ctx.request_id)
         except RecserveError as exc:
             await abort_with(context, exc)
             raise
@@ -142,12 +149,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     def __init__(self, slot: Slot[RankingCore], process: RankerProcessConfig) -> None:
         self.slot = slot
         self.process = process
+        self.admin = AdminAuth(process.admin_token, token_env=process.cluster.admin.token_env, insecure=process.insecure_admin)
         self._reloading = asyncio.Lock()
 
     async def ReloadModels(self, request: admin_pb2.ReloadModelsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ReloadModelsResponse:
         try:
+            self.admin.check(context.invocation_metadata(), "Admin.ReloadModels", request.admin_token)  # before anything about the process shows
+            context_from_header(request.header, context.time_remaining())  # an expired request is refused, not executed
             core = self.slot.get()
-            require_admin_token(request.admin_token, self.process.admin_token, "Admin.ReloadModels")
             if not request.models_dir:
                 raise InvalidArgument("models_dir is empty: name the `recserve train --out` directory to load")
             if self._reloading.locked():
@@ -164,8 +173,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def AddItems(self, request: admin_pb2.AddItemsRequest, context: grpc.aio.ServicerContext) -> admin_pb2.AddItemsResponse:
         try:
+            self.admin.check(context.invocation_metadata(), "Admin.AddItems", request.admin_token)  # before anything about the process shows
+            context_from_header(request.header, context.time_remaining())  # an expired request is refused, not executed
             core = self.slot.get()
-            require_admin_token(request.admin_token, self.process.admin_token, "Admin.AddItems")
             ids = ids_from(request.item_ids, "item_ids")
             vectors = await core.add_items(ids, ids_from(request.categories, "categories"), ids_from(request.tag_ids, "tag_ids"), ids_from(request.tag_lengths, "tag_lengths"))
         except RecserveError as exc:
@@ -173,8 +183,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             raise
         return admin_pb2.AddItemsResponse(added=int(ids.shape[0]), vectors=pack(vectors), num_items=core.current.export.arrays.num_items)
 
+    async def RefreshIndex(self, request: admin_pb2.RefreshIndexRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RefreshIndexResponse:
+        # The generated base would answer "Unexpected <class 'NotImplementedError'>".
+        await abort_with(context, Unimplemented("Admin.RefreshIndex is served by the cascade (recserve cascade serve), not by a ranker: send it to the cascade"))
+        raise AssertionError("unreachable: abort raises")
+
     async def ModelStatus(self, request: admin_pb2.ModelStatusRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ModelStatusResponse:
         try:
+            context_from_header(request.header, context.time_remaining())  # an expired request is refused, not executed
             core = self.slot.get()
         except RecserveError as exc:
             await abort_with(context, exc)
@@ -231,7 +247,7 @@ async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None, 
     start_and_record(config.host, config.metrics_port, config.metrics_port_file)
     server = make_server(max_message_bytes=MAX_MESSAGE_BYTES)
     slot: Slot[RankingCore] = Slot("ranker (models and shard tables)")
-    ranking_pb2_grpc.add_RankingServicer_to_server(RankingServicer(slot), server)
+    ranking_pb2_grpc.add_RankingServicer_to_server(RankingServicer(slot, TenantAuth.from_cluster(config.cluster, os.environ)), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(slot, config), server)
     services = [RANKING_SERVICE, ADMIN_SERVICE]
     if colocated is not None:
@@ -239,14 +255,23 @@ async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None, 
         services += list(colocated.services)
     health = await add_health_and_reflection(server, services)
 
+    deep: list[DeepCheck] = []
+
     def ready(core: RankingCore, port: int) -> None:
         core.start()
+        # Readiness also needs a fixed Rank to pass (recserve.rpc.health): a wedged
+        # executor turns it NOT_SERVING and its calls UNAVAILABLE.
+        check = DeepCheck(health, services, core.deep_probe, on_change=slot.set_not_serving, what="ranker")
+        check.start()
+        deep.append(check)
         log.info("ranker SERVING on %s:%d: models %s, model_version %s%s", config.host, port, list(core.current.models), core.current.version,
                  f", co-located with {list(colocated.services)}" if colocated is not None else "")  # fmt: skip
 
     try:
         await serve_loaded(server, health, services, slot, lambda: _load(config, executor, colocated), what="ranker", host=config.host,
-                           port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S)  # fmt: skip
+                           port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S, tls=config.cluster.tls)  # fmt: skip
     finally:
+        for check in deep:
+            await check.aclose()
         if colocated is not None:  # the server has stopped: no new streams; drain what runs
             await colocated.aclose()

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
@@ -53,7 +54,7 @@ from ranker.scoring import resolve_device
 from ranker.serving import Export, Model, load_model, open_export
 from recserve.config.spec import ClusterConfig, FeatureConfig, RankerConfig, TableConfig
 from recserve.catalog.storage import Csr
-from recserve.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from recserve.errors import FailedPrecondition, InternalError, InvalidArgument, ResourceExhausted
 from recserve.lookup.client import LookupClient
 from recserve.lookup.config import LookupClientConfig
 from recserve.lookup.types import LookupResult
@@ -64,6 +65,7 @@ from recserve.sharding.plan import ShardingPlan
 log = logging.getLogger(__name__)
 
 MAX_HISTORY_ITEMS = 1024  # history_item_ids per request
+PROBE_CANDIDATES = 8  # items the deep check ranks
 COLD_START = "cold_start"
 LOOKUP_MISSING = "lookup_missing"
 
@@ -292,6 +294,26 @@ class RankingCore:
         cost = 1.0 if not self.config.batching else float(max(1, query.candidates.shape[0]))
         answer: Answer = await self._loops[query.model].submit(query, cost=cost, deadline=deadline, tenant=tenant, priority=priority, request_id=request_id)
         return answer
+
+    async def deep_probe(self, timeout_s: float = 5.0) -> None:
+        """The deep check (recserve.rpc.health): a fixed Rank of the first few items for
+        user 0, per model, through the real scheduler, lookups and executor. It must
+        answer every candidate once with finite scores. Exact scores are not compared:
+        an Upsert of those rows rightly changes them. Shed (overloaded) or degraded
+        (a shard down) answers pass: the ranker itself works."""
+        n = min(PROBE_CANDIDATES, self.current.export.arrays.num_items)
+        candidates = np.arange(n, dtype=np.int64)
+        for model in self.config.models:
+            query = self.query(QueryKind.RANK, model, 0, candidates, np.empty(0, np.int64))
+            try:
+                answer = await self.submit(query, deadline=time.monotonic() + timeout_s, tenant="recserve-deep-check", priority="critical")
+            except ResourceExhausted:
+                continue
+            if answer.scores.shape != (n,) or not np.isfinite(answer.scores).all() or not np.array_equal(np.sort(answer.item_ids), candidates):
+                raise InternalError(
+                    f"model {model!r}: the fixed Rank of items 0..{n - 1} for user 0 answered ids {answer.item_ids.tolist()} "
+                    f"with scores {answer.scores.tolist()}; expected each candidate once, finite scores"
+                )
 
     # ---- one batch -------------------------------------------------------------------
 

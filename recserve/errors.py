@@ -23,6 +23,7 @@ class ErrorKind(enum.Enum):
     INTERNAL = "internal"
     UNAUTHENTICATED = "unauthenticated"  # no or a wrong API key (HTTP 401)
     UNPROCESSABLE = "unprocessable"  # well-formed JSON whose values break the schema (HTTP 422)
+    UNIMPLEMENTED = "unimplemented"  # a method this process does not serve (another kind of process does)
 
 
 class RecserveError(Exception):
@@ -85,6 +86,13 @@ class Unauthenticated(RecserveError):
     message never quotes the key it was given."""
 
     kind = ErrorKind.UNAUTHENTICATED
+
+
+class Unimplemented(RecserveError):
+    """The method exists in the API but this process does not serve it (e.g. the
+    ranker's Admin.RefreshIndex, which only the cascade has). The message says where to send it."""
+
+    kind = ErrorKind.UNIMPLEMENTED
 
 
 class InvalidField(InvalidArgument):

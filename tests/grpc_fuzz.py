@@ -28,6 +28,13 @@ say SERVING for ``""`` and ``check`` (a real request the caller knows must succe
 must pass. Every violation is collected
 and reported in one ``AssertionError``; the returned :class:`FuzzReport` lets a test
 also assert on coverage (which methods were reached, how many bodies were malformed).
+
+:func:`fuzz_properties` is the property-based pass over the same reflected methods
+(issue 17): requests that *parse* but carry hostile values, drawn by hypothesis
+(:mod:`recserve.bench.fuzz_grpc`, which ``recserve bench fuzz`` runs at full size), each
+answer judged by :func:`recserve.bench.fuzz_grpc.judge` (a client-error status, or
+DEADLINE_EXCEEDED for an expired deadline). It returns the report and raises nothing,
+so a test can check the processes' fds and threads before it asserts.
 """
 
 from __future__ import annotations
@@ -40,10 +47,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import grpc
-from google.protobuf import descriptor_pool, message, message_factory
+from google.protobuf import message, message_factory
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from recserve.bench.fuzz_grpc import Method, PropertyReport, call_raw, fuzz_methods, list_methods
 
 # Codes a request that parses must never get: they mean the servicer crashed.
 CRASH_CODES = frozenset({grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL})
@@ -54,16 +62,6 @@ FIXED_BODIES = (
     b"\x12\x05ab",  # field 2, length 5, only 2 bytes follow
     b"",  # the default message (parses)
 )
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """One fuzzable method: ``path`` is ``/package.Service/Method``."""
-
-    path: str
-    request_type: type[message.Message]
-    client_streaming: bool
-    server_streaming: bool
 
 
 @dataclasses.dataclass
@@ -78,21 +76,6 @@ class FuzzReport:
     """Per method path: cases sent, how many were malformed, the status codes seen."""
 
     methods: dict[str, MethodReport]
-
-
-def list_methods(channel: grpc.Channel, *, skip_services: Sequence[str] = ()) -> list[Method]:
-    """Every method of every service the server's reflection lists."""
-    database = ProtoReflectionDescriptorDatabase(channel)
-    pool = descriptor_pool.DescriptorPool(database)
-    methods: list[Method] = []
-    for service_name in sorted(database.get_services()):
-        if service_name in skip_services:
-            continue
-        service = pool.FindServiceByName(service_name)
-        for m in service.methods:
-            request_type = message_factory.GetMessageClass(m.input_type)
-            methods.append(Method(f"/{service.full_name}/{m.name}", request_type, bool(m.client_streaming), bool(m.server_streaming)))
-    return methods
 
 
 def random_message(desc: Descriptor, rng: random.Random, depth: int = 2) -> message.Message:
@@ -170,29 +153,6 @@ def _parses(request_type: type[message.Message], body: bytes) -> bool:
     return True
 
 
-def _call(channel: grpc.Channel, method: Method, body: bytes, timeout_s: float, *, drain: bool) -> tuple[grpc.StatusCode, str]:
-    """Send ``body`` raw (a one-message stream to a stream-request method); a streamed
-    reply is read to its end when ``drain``, else cancelled after its first response."""
-    request: Any = iter([body]) if method.client_streaming else body
-    kind = (method.client_streaming, method.server_streaming)
-    make = {(False, False): channel.unary_unary, (False, True): channel.unary_stream, (True, False): channel.stream_unary, (True, True): channel.stream_stream}[kind]
-    cancelled_by_us = False
-    try:
-        reply = make(method.path, request_serializer=None, response_deserializer=None)(request, timeout=timeout_s)  # type: ignore[operator]
-        if method.server_streaming:
-            for _ in reply:
-                if not drain:
-                    cancelled_by_us = True
-                    reply.cancel()
-                    break
-        return grpc.StatusCode.OK, ""
-    except grpc.RpcError as exc:
-        code = exc.code()  # type: ignore[attr-defined]
-        if cancelled_by_us and code == grpc.StatusCode.CANCELLED:
-            return grpc.StatusCode.OK, ""  # our own cancel after the first response
-        return code, str(exc.details())  # type: ignore[attr-defined]
-
-
 def fuzz_server(
     address: str,
     *,
@@ -216,7 +176,8 @@ def fuzz_server(
             stats = report.methods.setdefault(method.path, MethodReport())
             for body in bodies(method, rng, cases_per_method, (examples or {}).get(method.path, ())):
                 parses = _parses(method.request_type, body)
-                code, details = _call(channel, method, body, timeout_s, drain=not parses)
+                code, details = call_raw(channel, method, body, timeout_s, drain=not parses)
+                assert code is not None, f"{method.path}: {details}"
                 stats.cases += 1
                 stats.malformed += not parses
                 stats.codes[code.name] += 1
@@ -235,3 +196,19 @@ def fuzz_server(
     if failures:
         raise AssertionError(f"{len(failures)} fuzz violation(s) on {address}:\n" + "\n".join(failures))
     return report
+
+
+def fuzz_properties(
+    address: str,
+    *,
+    seed: int = 0,
+    cases_per_method: int = 12,
+    examples: Mapping[str, Sequence[message.Message]] | None = None,
+    admin_token: str = "",
+    skip_services: Sequence[str] = (),
+) -> PropertyReport:
+    """Hypothesis-drawn requests to every method the server at ``address`` reflects
+    (those of ``skip_services`` aside); see :func:`recserve.bench.fuzz_grpc.fuzz_methods`."""
+    with grpc.insecure_channel(address) as channel:
+        methods = list_methods(channel, skip_services=skip_services)
+        return fuzz_methods(channel, methods, cases_per_method=cases_per_method, seed=seed, examples=examples, admin_token=admin_token)

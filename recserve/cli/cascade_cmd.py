@@ -31,6 +31,8 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--port-file", default="", help="write the bound port here (atomically) once listening")
     serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics HTTP port (0 = a free one, -1 = none; default: the spec's cascade.metrics_port)")
     serve.add_argument("--metrics-port-file", default="", help="write the bound metrics port here (atomically) before listening for gRPC")
+    serve.add_argument("--insecure-admin", action="store_true",
+                       help="serve admin operations without a token (only when the [admin] token_env variable is unset; never on a shared network)")
     serve.set_defaults(func=_serve)
     build = sub.add_parser("build-index", help="build the L0 FAISS index of an export and save it")
     build.add_argument("--models", type=Path, required=True, help="a `recserve train --out` directory")
@@ -58,7 +60,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("--models is missing: name a `recserve train --out` directory, or set ranker.models_dir in the spec")
     config = CascadeProcessConfig(
         cluster=cluster, models_dir=models, ranker_addresses=rankers, shard_addresses=tuple(a for a in args.shards.split(",") if a) or cluster.shard_addresses,
-        host=args.host, port=args.port, port_file=args.port_file, admin_token=os.environ.get("RECSERVE_ADMIN_TOKEN", ""), index_dir=args.index,
+        host=args.host, port=args.port, port_file=args.port_file, admin_token=os.environ.get(cluster.admin.token_env, ""),
+        insecure_admin=args.insecure_admin, index_dir=args.index,
         metrics_port=cluster.cascade.metrics_port if args.metrics_port is None else args.metrics_port, metrics_port_file=args.metrics_port_file,
     )  # fmt: skip
     asyncio.run(serve(config))

@@ -29,6 +29,8 @@ COMMANDS: dict[str, str] = {
     "serve": "recserve.cli.serve_cmd",
     "gateway": "recserve.cli.gateway_cmd",
     "loadtest": "recserve.cli.loadtest_cmd",
+    "plan": "recserve.cli.plan_cmd",
+    "deploy": "recserve.cli.deploy_cmd",
 }
 # Planned subcommands (later issues); listed in --help so users see the roadmap.
 PLANNED: dict[str, str] = {}

@@ -45,6 +45,8 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--with-generation", action="store_true",
                        help="also serve Generation on this process's device, behind the priority bulkhead (= [generation] co_locate = true)")
     serve.add_argument("--generation-model", default="", help="the co-located LM checkpoint (default: the spec's generation.checkpoint, else random weights)")
+    serve.add_argument("--insecure-admin", action="store_true",
+                       help="serve admin operations without a token (only when the [admin] token_env variable is unset; never on a shared network)")
     serve.set_defaults(func=_serve)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
@@ -53,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     import asyncio
     import os
 
-    from ranker.server import ADMIN_TOKEN_ENV, RankerProcessConfig, serve
+    from ranker.server import RankerProcessConfig, serve
     from recserve.config import load
     from recserve.errors import ConfigError
 
@@ -66,7 +68,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise ConfigError("--models is missing: name a `recserve train --out` directory, or set ranker.models_dir in the spec")
     config = RankerProcessConfig(
         cluster=cluster, models_dir=models, shard_addresses=shards, host=args.host, port=args.port, port_file=args.port_file,
-        admin_token=os.environ.get(ADMIN_TOKEN_ENV, ""),
+        admin_token=os.environ.get(cluster.admin.token_env, ""), insecure_admin=args.insecure_admin,
         metrics_port=cluster.ranker.metrics_port if args.metrics_port is None else args.metrics_port, metrics_port_file=args.metrics_port_file,
     )  # fmt: skip
     if not (args.with_generation or cluster.generation.co_locate):

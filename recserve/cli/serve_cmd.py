@@ -21,7 +21,13 @@
    exactly ``recserve: ready`` once every child is SERVING. The gateway listens on the
    spec's ``[gateway] host`` / ``port``; tenants' keys come from this process's
    environment (``[[tenants]] api_key_env``).
-4. **Stop** on SIGINT/SIGTERM: the gateway, the cascade (drains in-flight calls), then
+4. **Supervise**: from then on a child that exits on its own (crash, OOM kill, SIGKILL)
+   is restarted on its port with its data (a shard reopens its RocksDB), after a
+   backoff that doubles per consecutive crash (:mod:`recserve.cluster.supervise`); each
+   exit and restart is printed (``recserve: shard-1 exited with code -9; restarting in
+   0.5 s ...``), and a child crash-looping (3 exits in 2 minutes) makes the gateway's
+   ``/readyz`` 503 and shows on its status page.
+5. **Stop** on SIGINT/SIGTERM: the supervisor, then the gateway, the cascade (drains in-flight calls), then
    the rankers, then the shards; exit 0. Every child is orphan-protected (lifeline pipe +
    PDEATHSIG), so a SIGKILLed ``recserve serve`` leaves no child behind either.
 
@@ -71,6 +77,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--data", type=Path, default=None, help="children's RocksDB, logs and port files (default: a temp dir removed on exit)")
     parser.add_argument("--no-cascade", action="store_true", help="serve shards and rankers only (the Ranking service, no Recommender, no gateway)")
     parser.add_argument("--no-gateway", action="store_true", help="serve no HTTP gateway (gRPC only)")
+    parser.add_argument("--insecure-admin", action="store_true",
+                        help="serve admin operations (Upsert, ReloadModels, RefreshIndex, AddItems) without a token; only when [admin] token_env is unset")
     parser.set_defaults(func=run)
 
 
@@ -83,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
         stack = _prepare(args, data_root)
         stack.start()
         stack.wait_serving()  # every child, again: ready means all of them SERVING now
+        # From here a child that exits on its own is restarted with backoff (its port,
+        # its data); each exit and restart is printed, crash-loops reach /readyz.
+        stack.supervise(on_event=lambda line: print(f"recserve: {line}", flush=True))
         print(READY_LINE, flush=True)
         while True:  # the handlers raise _Signalled out of here
             signal.pause()
@@ -109,7 +120,6 @@ def _prepare(args: argparse.Namespace, data_root: Path) -> ServingStack:
 
     from ranker.serving import open_export
     from ranker.spec import tables_and_features
-    from recserve.cluster.group import ADMIN_TOKEN_ENV
     from recserve.cluster.stack import ServingStack
     from recserve.config import load
     from recserve.errors import ConfigError
@@ -142,7 +152,8 @@ def _prepare(args: argparse.Namespace, data_root: Path) -> ServingStack:
     )  # fmt: skip
     return ServingStack(
         cluster, spec_path=spec_path, models_dir=models, plan_path=plan_path, data_root=data_root, cascade=not args.no_cascade, gateway=not args.no_gateway,
-        shard_server=server, admin_token=os.environ.get(ADMIN_TOKEN_ENV, ""), on_endpoint=lambda e: print(e.line(), flush=True),
+        shard_server=server, admin_token=os.environ.get(cluster.admin.token_env, ""),
+        insecure_admin=args.insecure_admin, on_endpoint=lambda e: print(e.line(), flush=True),
     )  # fmt: skip
 
 

@@ -25,7 +25,7 @@ import os
 import sys
 from typing import Any
 
-ADMIN_TOKEN_ENV = "RECSERVE_ADMIN_TOKEN"
+ADMIN_TOKEN_ENV = "RECSERVE_ADMIN_TOKEN"  # [admin] token_env's default; --admin-token-env overrides
 
 
 def _int_bytes(text: str) -> int:
@@ -60,7 +60,9 @@ def add_parser(subparsers: Any) -> None:
     serve.add_argument("--max-bags-per-rpc", type=int, default=None, help="pooled lookups with more bags get INVALID_ARGUMENT (default 1048576)")
     serve.add_argument("--tier-dtype", choices=("plan", "float32", "float16", "int8"), default="plan", help="DRAM hot/warm tier element type (default: each table's plan dtype)")
     serve.add_argument("--default-value", type=float, default=0.0, help="fill value of the default row for missing ids")
-    serve.add_argument("--admin-token", default=None, help=f"require this token on Upsert (or set ${ADMIN_TOKEN_ENV})")
+    serve.add_argument("--admin-token", default=None, help="require this token on Upsert (prefer the variable --admin-token-env names: a flag shows in ps)")
+    serve.add_argument("--admin-token-env", default=ADMIN_TOKEN_ENV, help=f"read the admin token from this variable ([admin] token_env; default ${ADMIN_TOKEN_ENV})")
+    serve.add_argument("--insecure-admin", action="store_true", help="accept Upsert without a token (only when no token is set; never on a shared network)")
     serve.add_argument("--sync-writes", action="store_true", help="fsync the WAL on every upsert (power-loss durability)")
     serve.add_argument("--fault-hook", action="store_true", help="TEST ONLY: enable injected latency/errors (also RECSERVE_FAULT_HOOK=1)")
     serve.add_argument("--load-gate", default=None, help="TEST ONLY (needs --fault-hook): wait for this file before loading tiers")
@@ -160,7 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
         server=_server_config(args),
         tier_dtype=args.tier_dtype,
         default_value=args.default_value,
-        admin_token=args.admin_token if args.admin_token is not None else os.environ.get(ADMIN_TOKEN_ENV, ""),
+        admin_token=args.admin_token if args.admin_token is not None else os.environ.get(args.admin_token_env, ""),
+        admin_token_env=args.admin_token_env,
+        insecure_admin=args.insecure_admin,
         sync_writes=args.sync_writes,
         fault_hook=args.fault_hook or os.environ.get("RECSERVE_FAULT_HOOK", "") not in ("", "0", "false", "False"),
         load_gate_file=args.load_gate,

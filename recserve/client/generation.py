@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from recserve.client.routed import CallStats, RoutedCalls, StubFactory
+from recserve.config.spec import TlsConfig
 from recserve.errors import InternalError, InvalidArgument
 from recserve.routing import DecodeLoad, RoutingConfig
 from recserve.rpc.tensors import pack, unpack
@@ -115,10 +116,13 @@ class GenerationClient:
         max_message_bytes: int = 64 << 20,
         load: DecodeLoad = DecodeLoad(),
         stub_factory: StubFactory | None = None,
+        tls: TlsConfig | None = None,  # the spec's [tls]: channels over TLS when enabled
+        api_key: str = "",  # this client's tenant API key (x-api-key metadata); "" = none
     ) -> None:
         self._calls = RoutedCalls(
             addresses, generation_pb2_grpc.GenerationStub, service=GENERATION_SERVICE, what="generator", config=config,
-            weights=weights, rng=rng, clock=clock, max_message_bytes=max_message_bytes, stub_factory=stub_factory,
+            weights=weights, rng=rng, clock=clock, max_message_bytes=max_message_bytes, stub_factory=stub_factory, tls=tls, api_key=api_key,
+            resolve=False,  # _own_active is indexed by replica: membership stays fixed (gRPC resolves a name itself)
         )  # fmt: skip
         self.router = self._calls.router
         self.addresses = self._calls.addresses

@@ -31,6 +31,7 @@ from types import TracebackType
 import numpy as np
 
 from recserve.client.routed import CallStats, RoutedCalls, StubFactory, ids_arg
+from recserve.config.spec import TlsConfig
 from recserve.errors import InternalError, InvalidArgument
 from recserve.routing import RoutingConfig
 from recserve.rpc.tensors import pack, unpack
@@ -96,10 +97,12 @@ class RankingClient:
         clock: Callable[[], float] = time.monotonic,
         max_message_bytes: int = 64 << 20,
         stub_factory: StubFactory | None = None,
+        tls: TlsConfig | None = None,  # the spec's [tls]: channels over TLS when enabled
+        api_key: str = "",  # this client's tenant API key (x-api-key metadata); "" = none
     ) -> None:
         self._calls = RoutedCalls(
             addresses, ranking_pb2_grpc.RankingStub, service=RANKING_SERVICE, what="ranker", config=config, rng=rng, clock=clock,
-            max_message_bytes=max_message_bytes, stub_factory=stub_factory,
+            max_message_bytes=max_message_bytes, stub_factory=stub_factory, tls=tls, api_key=api_key,
         )  # fmt: skip
         self.router = self._calls.router
         self.addresses = self._calls.addresses

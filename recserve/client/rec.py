@@ -40,6 +40,7 @@ import numpy as np
 
 from recserve.client.ranking import RankingClient, RankResult
 from recserve.client.routed import CallStats, RoutedCalls, StubFactory, ids_arg
+from recserve.config.spec import TlsConfig
 from recserve.errors import FailedPrecondition, InternalError, InvalidArgument
 from recserve.routing import RoutingConfig
 from recserve.rpc.tensors import pack, unpack
@@ -95,6 +96,9 @@ class RecClient:
         rng: random generator for two choices (seed it in tests).
         stub_factory / ranking_stub_factory: address -> stub, replacing the channels
             (unit tests' fakes).
+        tls: the spec's ``[tls]`` (channels over TLS when it is enabled).
+        api_key: this client's tenant API key, sent as ``x-api-key`` call metadata on
+            both replica sets (``""`` = none: the key-less tenant).
     """
 
     def __init__(
@@ -108,10 +112,12 @@ class RecClient:
         max_message_bytes: int = 64 << 20,
         stub_factory: StubFactory | None = None,
         ranking_stub_factory: StubFactory | None = None,
+        tls: TlsConfig | None = None,
+        api_key: str = "",
     ) -> None:
         self._calls = RoutedCalls(
             recommenders, recommender_pb2_grpc.RecommenderStub, service=RECOMMENDER_SERVICE, what="recommender", config=config, rng=rng,
-            clock=clock, max_message_bytes=max_message_bytes, stub_factory=stub_factory,
+            clock=clock, max_message_bytes=max_message_bytes, stub_factory=stub_factory, tls=tls, api_key=api_key,
         )  # fmt: skip
         self.router = self._calls.router
         self.recommenders = self._calls.addresses
@@ -119,7 +125,7 @@ class RecClient:
         self.clock = clock  # public: callers put their deadlines on this timeline
         self.ranking: RankingClient | None = None
         if rankers:
-            self.ranking = RankingClient(rankers, config, rng=rng, clock=clock, max_message_bytes=max_message_bytes, stub_factory=ranking_stub_factory)
+            self.ranking = RankingClient(rankers, config, rng=rng, clock=clock, max_message_bytes=max_message_bytes, stub_factory=ranking_stub_factory, tls=tls, api_key=api_key)
 
     # ---- lifecycle ----------------------------------------------------------------
 
@@ -259,9 +265,11 @@ class SyncRecClient:
         max_message_bytes: int = 64 << 20,
         stub_factory: StubFactory | None = None,
         ranking_stub_factory: StubFactory | None = None,
+        tls: TlsConfig | None = None,
+        api_key: str = "",
     ) -> None:
         self._client = RecClient(recommenders, rankers, config, clock=clock, rng=rng, max_message_bytes=max_message_bytes,
-                                 stub_factory=stub_factory, ranking_stub_factory=ranking_stub_factory)  # fmt: skip
+                                 stub_factory=stub_factory, ranking_stub_factory=ranking_stub_factory, tls=tls, api_key=api_key)  # fmt: skip
         self.clock = self._client.clock
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="recserve-client", daemon=True)

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 import time
 import uuid
@@ -54,10 +55,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from recserve.config.spec import TlsConfig
 from recserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, Unavailable
 from recserve.logs import inherited_request_id
 from recserve.lookup.transport import channel_options
 from recserve.routing import Router, RoutingConfig, is_retryable
+from recserve.routing.resolve import Membership, ReplicaResolver
+from recserve.rpc.auth import DEFAULT_API_KEY_METADATA, forwarded_metadata, open_channel
 from recserve.rpc.deadline import make_header
 from recserve.rpc.status import error_from_code
 from recserve.v1 import common_pb2
@@ -66,6 +70,8 @@ __all__ = ["CallStats", "RoutedCalls", "StubFactory", "ids_arg", "retry_after_s"
 
 # address -> stub (an object whose method attributes are grpc.aio unary-unary callables).
 StubFactory = Callable[[str], Any]
+DRAIN_GRACE_S = 30.0  # a replica the resolver dropped: its calls still out get this long to finish
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -120,6 +126,14 @@ def stream_verdict(code: grpc.StatusCode, answered: bool, timeout_s: float | Non
     return verdict(code, timeout_s, usual_s)
 
 
+def _forwarded(own: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """The ``metadata=`` keyword of an outgoing call: the key of the request it is made
+    for, else the client's own ``api_key``, else nothing (no keyword at all, so test
+    fakes without a metadata parameter keep working)."""
+    metadata = forwarded_metadata() or own
+    return {"metadata": metadata} if metadata else {}
+
+
 class RoutedCalls:
     """Channels, router and retry loop for one replica set of one gRPC service.
 
@@ -138,6 +152,24 @@ class RoutedCalls:
         max_message_bytes: send / receive limit per channel.
         stub_factory: address -> stub, replacing the channels (tests: fake stubs; no
             channel is opened, so :meth:`check_ready` reports every replica not ready).
+        tls: the spec's ``[tls]``: channels verify the replicas' certificates when it is
+            enabled (:mod:`recserve.rpc.auth`).
+        api_key: this client's tenant API key, sent as ``x-api-key`` call metadata
+            (``""`` = none: the key-less tenant).
+        resolver: how replica names are resolved (default: :func:`recserve.routing.resolve.default_resolver`,
+            the host's DNS under ``RECSERVE_RESOLVE`` overrides). With fake stubs and no
+            resolver, nothing is looked up.
+        resolve: False keeps the addresses as given (gRPC resolves a name itself, to one
+            channel): for a client that indexes per-replica state of its own.
+
+    An address that is a name (a Kubernetes headless Service) stands for every address it
+    resolves to: :meth:`start` resolves it and the calls re-resolve it every ``[routing]
+    dns_refresh_ms`` in the background (:meth:`refresh`), so pods an autoscaler adds get
+    traffic and removed ones stop getting it (:mod:`recserve.routing.resolve`).
+
+    Every call carries the API key of the request it is made for, if any
+    (:func:`recserve.rpc.auth.forwarded_metadata`): a cascade's Rank calls prove the
+    tenant to the rankers with the key its own caller sent.
     """
 
     def __init__(
@@ -153,8 +185,20 @@ class RoutedCalls:
         clock: Callable[[], float] = time.monotonic,
         max_message_bytes: int = 64 << 20,
         stub_factory: StubFactory | None = None,
+        tls: TlsConfig | None = None,
+        api_key: str = "",
+        resolver: ReplicaResolver | None = None,
+        resolve: bool = True,
     ) -> None:
         self.router = Router(addresses, config, weights=weights, rng=rng)
+        # Names among the addresses (a headless Service) are re-resolved, one replica per
+        # answer (recserve.routing.resolve). Fake stubs without a fake resolver: no lookups.
+        dynamic = resolve and (resolver is not None or stub_factory is None)
+        membership = Membership(self.router.replicas, resolver, refresh_s=config.dns_refresh_ms / 1e3, now=clock()) if dynamic else None
+        self.membership = membership if membership is not None and membership.dynamic else None
+        self._refreshing: asyncio.Task[None] | None = None
+        self._tls = tls
+        self._own_metadata: tuple[tuple[str, str], ...] = ((DEFAULT_API_KEY_METADATA, api_key),) if api_key else ()
         self.addresses = self.router.replicas
         self.service = service
         self.what = what
@@ -178,16 +222,60 @@ class RoutedCalls:
         now costs nothing until it is picked."""
         if self._stubs:
             return
-        for address in self.addresses:
+        self._open(self.addresses)
+        if self.membership is not None:
+            await self.refresh()  # route over the pods behind a name from the first call
+
+    def _open(self, addresses: Sequence[str]) -> None:
+        for address in addresses:
+            if address in self._stubs:
+                continue
             if self._stub_factory is not None:
                 self._stubs[address] = self._stub_factory(address)
                 continue
-            channel = grpc.aio.insecure_channel(address, options=self._options)
+            channel = open_channel(address, self._tls, self._options)
             self._channels[address] = channel
             self._stubs[address] = self._stub_class(channel)
 
+    async def refresh(self) -> bool:
+        """Re-resolve the replica names now (off the event loop: the lookup blocks) and
+        route over the answer: new replicas get channels, removed ones get no more calls
+        and their channels close once their calls are done (a grace). Whether the set
+        changed. Called at start and, every ``[routing] dns_refresh_ms``, by the calls."""
+        if self.membership is None:
+            return False
+        change = await asyncio.to_thread(self.membership.refresh, self.clock())
+        if change is None or not self._stubs:
+            return False
+        self._open(change.added)
+        self.router.set_replicas(change.replicas)
+        self.addresses = self.router.replicas
+        closing = [self._channels.pop(a) for a in change.removed if a in self._channels]
+        for address in change.removed:
+            self._stubs.pop(address, None)
+        for channel in closing:  # in-flight calls on them finish within the grace, then are cancelled
+            asyncio.get_running_loop().create_task(channel.close(DRAIN_GRACE_S))
+        return True
+
+    def _maybe_refresh(self) -> None:
+        """Start a background re-resolution when one is due (never on the call's path)."""
+        m = self.membership
+        if m is None or (self._refreshing is not None and not self._refreshing.done()) or not m.due(self.clock()):
+            return
+
+        async def run() -> None:
+            try:
+                await self.refresh()
+            except Exception:  # a resolver bug must not fail calls: the current set stays
+                log.exception("re-resolving %s replicas failed", self.what)
+
+        self._refreshing = asyncio.get_running_loop().create_task(run())
+
     async def aclose(self) -> None:
         """Close every channel; RPCs still out end CANCELLED."""
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            self._refreshing = None
         channels = list(self._channels.values())
         self._channels.clear()
         self._stubs.clear()
@@ -242,6 +330,7 @@ class RoutedCalls:
         (reply, replica, attempts)."""
         if not self._stubs:
             raise FailedPrecondition(f"{client}.{method}: the client is not started; call await start() (or use async with)")
+        self._maybe_refresh()
         router = self.router
         # One id across attempts, so the servers' logs join them: the caller's, else the
         # request this call is made for (a cascade calling rankers), else a fresh one.
@@ -268,7 +357,7 @@ class RoutedCalls:
             self.stats.retries += retry_of is not None
             timeout = None if math.isinf(remaining) else remaining
             request = build(make_header(timeout_s=timeout, tenant=tenant, priority=priority, request_id=request_id))
-            rpc = getattr(self._stubs[replica], method)(request, timeout=timeout)
+            rpc = getattr(self._stubs[replica], method)(request, timeout=timeout, **_forwarded(self._own_metadata))
             # Anything escaping the await other than a status (the caller's cancellation,
             # the channel closed under us) is no verdict on the replica: CANCELLED.
             code = grpc.StatusCode.CANCELLED
@@ -320,6 +409,7 @@ class RoutedCalls:
         generator cancels the RPC (reported CANCELLED: no verdict on the replica)."""
         if not self._stubs:
             raise FailedPrecondition(f"{client}.{method}: the client is not started; call await start() (or use async with)")
+        self._maybe_refresh()
         router = self.router
         request_id = request_id or inherited_request_id() or uuid.uuid4().hex
         key = session_key or None
@@ -346,7 +436,7 @@ class RoutedCalls:
             timeout = None if math.isinf(remaining) else remaining
             header = make_header(timeout_s=timeout, tenant=tenant, priority=priority, request_id=request_id)
             header.session_key = session_key
-            rpc = getattr(self._stubs[replica], method)(build(header), timeout=timeout)
+            rpc = getattr(self._stubs[replica], method)(build(header), timeout=timeout, **_forwarded(self._own_metadata))
             code = grpc.StatusCode.CANCELLED  # anything but a status or the end: no verdict
             current = cost  # the cost the router holds for this call now
             answered = False

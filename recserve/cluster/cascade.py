@@ -14,8 +14,9 @@ the ranker and shard clients are ready). Used by ``recserve serve`` (its stack,
 
 It logs to ``data_root/cascade-0.log``. Its BLAS/OpenMP pools are pinned to
 :data:`CASCADE_THREADS` (L1's one matmul per request and the FAISS search share the host's
-cores with the rankers and shards). ``admin_token`` reaches the process as
-``RECSERVE_ADMIN_TOKEN``, guarding ``Admin.RefreshIndex`` and ``Admin.AddItems``.
+cores with the rankers and shards). ``admin_token`` reaches the process as ``token_env``
+(``[admin] token_env``; default ``RECSERVE_ADMIN_TOKEN``), guarding ``Admin.RefreshIndex``
+and ``Admin.AddItems``; without one, ``insecure_admin`` passes ``--insecure-admin``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from recserve.cluster.group import ProcessGroup, launch_env
+from recserve.cluster.group import ADMIN_TOKEN_ENV, ProcessGroup, launch_env
 from recserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class CascadeCluster:
         env: Mapping[str, str] | None = None,
         extra_args: Sequence[str] = (),
         admin_token: str = "",
+        insecure_admin: bool = False,
+        token_env: str = ADMIN_TOKEN_ENV,
         start_timeout_s: float = 120.0,
         metrics_port: int = 0,
         python: str = sys.executable,
@@ -88,6 +91,8 @@ class CascadeCluster:
         self._owns_transport_env = env is not None
         self.extra_args = tuple(extra_args)
         self.admin_token = admin_token
+        self.insecure_admin = insecure_admin
+        self.token_env = token_env
         self.start_timeout_s = start_timeout_s
         self.python = python
         self._group = ProcessGroup(
@@ -154,7 +159,9 @@ class CascadeCluster:
             "--rankers", ",".join(self.ranker_addresses), "--shards", ",".join(self.shard_addresses),
             "--host", self.host, "--port", str(port), "--port-file", str(port_file),
         ]  # fmt: skip
+        if self.insecure_admin:
+            cmd += ["--insecure-admin"]
         return cmd + list(self.extra_args)
 
     def _env(self) -> dict[str, str]:
-        return launch_env(self.extra_env, owns_transport=self._owns_transport_env, threads=CASCADE_THREADS, admin_token=self.admin_token)
+        return launch_env(self.extra_env, owns_transport=self._owns_transport_env, threads=CASCADE_THREADS, admin_token=self.admin_token, token_env=self.token_env)

@@ -104,10 +104,11 @@ def watch_health(address: str, service: str, timeout_s: float) -> Health:
     return Health.NOT_SERVING
 
 
-def launch_env(extra: Mapping[str, str], *, owns_transport: bool, threads: int, admin_token: str = "") -> dict[str, str]:
+def launch_env(extra: Mapping[str, str], *, owns_transport: bool, threads: int, admin_token: str = "", token_env: str = ADMIN_TOKEN_ENV) -> dict[str, str]:
     """The environment of a server child: this process's, with the repository on
     ``PYTHONPATH``, BLAS/OpenMP pools pinned to ``threads`` (read once, when numpy and
-    torch load, so it must be set at launch), then ``extra`` and the admin token.
+    torch load, so it must be set at launch), then ``extra`` and the admin token (as
+    ``token_env``, the variable ``[admin] token_env`` names).
 
     ``owns_transport``: ``extra`` holds the process-start transport settings
     (``GRPC_EXPERIMENTS``, ``MALLOC_*``; :func:`recserve.lookup.transport.transport_env`),
@@ -126,7 +127,7 @@ def launch_env(extra: Mapping[str, str], *, owns_transport: bool, threads: int, 
             env.pop(key, None)
     env.update(extra)
     if admin_token:
-        env[ADMIN_TOKEN_ENV] = admin_token
+        env[token_env] = admin_token
     return env
 
 
@@ -286,6 +287,11 @@ class ProcessGroup:
         serves none (``metrics_port`` -1, or the group passes no metrics flags)."""
         port = self._members[k].metrics_port
         return None if port <= 0 else f"http://{self.host}:{port}/metrics"
+
+    def exit_code(self, k: int) -> int | None:
+        """Member ``k``'s exit code, None while it runs (what a supervisor polls:
+        :mod:`recserve.cluster.supervise`)."""
+        return self._members[k].child.poll()
 
     def check_alive(self, k: int) -> None:
         """Raise Unavailable, quoting the end of its log, if member ``k`` has exited."""

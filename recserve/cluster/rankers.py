@@ -15,7 +15,9 @@ client are ready). Used by integration tests, benchmarks and the demo::
 Ranker ``k`` logs to ``data_root/ranker-k.log``. Every ranker's BLAS/OpenMP pools are
 pinned to 1 thread (rankers share the host's cores with the shards and each other;
 ``ranker.threads`` in the spec sets torch's intra-op threads). ``admin_token`` reaches
-the process as ``RECSERVE_ADMIN_TOKEN``, guarding ``Admin.ReloadModels``.
+the process as ``token_env`` (``[admin] token_env``; default ``RECSERVE_ADMIN_TOKEN``),
+guarding ``Admin.ReloadModels`` and ``AddItems``; without one, ``insecure_admin``
+passes ``--insecure-admin`` (else those are refused).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from recserve.cluster.group import ProcessGroup, launch_env
+from recserve.cluster.group import ADMIN_TOKEN_ENV, ProcessGroup, launch_env
 from recserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class RankerCluster:
         env: Mapping[str, str] | None = None,
         extra_args: Sequence[str] = (),
         admin_token: str = "",
+        insecure_admin: bool = False,
+        token_env: str = ADMIN_TOKEN_ENV,
         start_timeout_s: float = 120.0,
         host: str = "127.0.0.1",
         ports: Sequence[int] = (),
@@ -81,6 +85,8 @@ class RankerCluster:
         self._owns_transport_env = env is not None
         self.extra_args = tuple(extra_args)
         self.admin_token = admin_token
+        self.insecure_admin = insecure_admin
+        self.token_env = token_env
         self.start_timeout_s = start_timeout_s
         self.host = host
         self.python = python
@@ -150,7 +156,9 @@ class RankerCluster:
         ]  # fmt: skip
         if self.shard_addresses:
             cmd += ["--shards", ",".join(self.shard_addresses)]
+        if self.insecure_admin:
+            cmd += ["--insecure-admin"]
         return cmd + list(self.extra_args)
 
     def _env(self) -> dict[str, str]:
-        return launch_env(self.extra_env, owns_transport=self._owns_transport_env, threads=RANKER_THREADS, admin_token=self.admin_token)
+        return launch_env(self.extra_env, owns_transport=self._owns_transport_env, threads=RANKER_THREADS, admin_token=self.admin_token, token_env=self.token_env)

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from recserve.cluster.group import PORT_POLL_S, REPO_ROOT, ProcessGroup, launch_env
+from recserve.cluster.group import ADMIN_TOKEN_ENV, PORT_POLL_S, REPO_ROOT, ProcessGroup, launch_env
 from recserve.config.spec import ShardServerConfig
 
 log = logging.getLogger(__name__)
@@ -53,6 +53,8 @@ class ShardCluster:
         tier_dtype: str = "plan",
         fault_hook: bool = False,
         admin_token: str = "",
+        insecure_admin: bool = False,
+        token_env: str = ADMIN_TOKEN_ENV,
         extra_args: Sequence[str] = (),
         env: Mapping[str, str] | None = None,
         unix_sockets: bool = False,
@@ -72,7 +74,9 @@ class ShardCluster:
         self.load_from = None if load_from is None else Path(load_from)
         self.tier_dtype = tier_dtype
         self.fault_hook = fault_hook
-        self.admin_token = admin_token
+        self.admin_token = admin_token  # Upsert's; reaches the process as token_env
+        self.insecure_admin = insecure_admin  # no token: --insecure-admin (else Upsert is refused)
+        self.token_env = token_env
         self.extra_args = tuple(extra_args)
         # Process-start settings for every shard (e.g. GRPC_EXPERIMENTS, MALLOC_*: gRPC and
         # glibc read them only when the process starts), on top of this process's env.
@@ -179,7 +183,11 @@ class ShardCluster:
             cmd += ["--load-from", str(self.load_from)]
         if self.fault_hook:
             cmd += ["--fault-hook"]
+        if self.insecure_admin:
+            cmd += ["--insecure-admin"]
+        if self.token_env != ADMIN_TOKEN_ENV:
+            cmd += ["--admin-token-env", self.token_env]
         return cmd + list(self.extra_args)
 
     def _env(self) -> dict[str, str]:
-        return launch_env(self.extra_env, owns_transport=self._owns_transport_env, threads=self.server.threads, admin_token=self.admin_token)
+        return launch_env(self.extra_env, owns_transport=self._owns_transport_env, threads=self.server.threads, admin_token=self.admin_token, token_env=self.token_env)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
@@ -44,6 +45,7 @@ from recserve.cluster.gateway import GatewayCluster
 from recserve.cluster.generation import GenerationCluster
 from recserve.cluster.rankers import RankerCluster
 from recserve.cluster.shards import ShardCluster
+from recserve.cluster.supervise import SUPERVISOR_STATE_ENV, Supervised, Supervisor, SupervisorConfig, SupervisorThread
 from recserve.config.spec import ClusterConfig, ShardServerConfig
 from recserve.lookup.transport import transport_env
 
@@ -99,6 +101,7 @@ class ServingStack:
         gateway: bool = True,
         shard_server: ShardServerConfig | None = None,
         admin_token: str = "",
+        insecure_admin: bool = False,
         on_endpoint: Callable[[Endpoint], None] = _ignore,
         start_timeout_s: float = 300.0,
         python: str = sys.executable,
@@ -110,7 +113,8 @@ class ServingStack:
         self.data_root = Path(data_root)
         self.with_cascade = cascade
         self.with_gateway = cascade and gateway  # the gateway calls the cascade
-        self.admin_token = admin_token
+        self.admin_token = admin_token  # every child's, as the variable [admin] token_env names
+        self.insecure_admin = insecure_admin  # no token: children run --insecure-admin
         self._on_endpoint = on_endpoint
         topo = cluster.topology
         # The lookup path's measured transport settings: the shards get all of them, the
@@ -121,6 +125,7 @@ class ServingStack:
         self.shards = ShardCluster(
             self.plan_path, self.data_root / "shards", num_shards=cluster.sharding.num_shards,
             server=shard_server or cluster.shard_server, load_from=self.models_dir, admin_token=admin_token, env=shard_env,
+            insecure_admin=insecure_admin, token_env=cluster.admin.token_env,
             unix_sockets=topo.unix_sockets, start_timeout_s=start_timeout_s, host=topo.host,
             ports=topo.ports("shard_ports", cluster.sharding.num_shards), python=python,
         )  # fmt: skip
@@ -131,6 +136,9 @@ class ServingStack:
         self.cascade: CascadeCluster | None = None
         self.generation: GenerationCluster | None = None
         self.gateway: GatewayCluster | None = None
+        self.supervisor: SupervisorThread | None = None
+        # The supervisor's report, read by the gateway for /readyz and its status page.
+        self.supervisor_state_file = self.data_root / "supervisor.json"
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -151,7 +159,8 @@ class ServingStack:
             shard_addresses = self.shards.client_addresses  # unix: sockets when the processes share the host
             self.rankers = RankerCluster(
                 self.spec_path, self.models_dir, shard_addresses, num_rankers=topo.rankers, data_root=self.data_root / "rankers",
-                env=self._client_env, admin_token=self.admin_token, start_timeout_s=self._start_timeout_s, host=topo.host,
+                env=self._client_env, admin_token=self.admin_token, insecure_admin=self.insecure_admin, token_env=self.cluster.admin.token_env,
+                start_timeout_s=self._start_timeout_s, host=topo.host,
                 ports=topo.ports("ranker_ports", topo.rankers), metrics_port=self.cluster.ranker.metrics_port, python=self._python,
             )  # fmt: skip
             self.rankers.start(wait=False)
@@ -172,6 +181,7 @@ class ServingStack:
                 self.cascade = CascadeCluster(
                     self.spec_path, self.models_dir, self.rankers.addresses, shard_addresses, data_root=self.data_root / "cascade",
                     host=topo.host, port=topo.cascade_port, env=self._client_env, admin_token=self.admin_token,
+                    insecure_admin=self.insecure_admin, token_env=self.cluster.admin.token_env,
                     start_timeout_s=self._start_timeout_s, metrics_port=self.cluster.cascade.metrics_port, python=self._python,
                 )  # fmt: skip
                 self.cascade.start()
@@ -188,6 +198,7 @@ class ServingStack:
                 self.gateway = GatewayCluster(
                     self.spec_path, [self.cascade.address], self.rankers.addresses, generators=generators, data_root=self.data_root / "gateway",
                     scrape=self.metrics_urls(), host=gw.host, port=gw.port, start_timeout_s=self._start_timeout_s, python=self._python,
+                    env={SUPERVISOR_STATE_ENV: str(self.supervisor_state_file)},
                 )  # fmt: skip
                 self.gateway.start()
                 self._report("gateway", "gateway", 0, self.gateway.address, self.gateway.pid, self.gateway.log_path)
@@ -197,7 +208,11 @@ class ServingStack:
 
     def stop(self) -> None:
         """Stop the gateway, the cascade, the generation replicas, then the rankers, then the
-        shards (each SIGTERM, graceful; SIGKILL past the grace; reaped). Safe to call more than once."""
+        shards (each SIGTERM, graceful; SIGKILL past the grace; reaped). Safe to call more than once.
+        The supervisor stops first: nothing is restarted while the children stop."""
+        if self.supervisor is not None:
+            self.supervisor.stop()
+            self.supervisor = None
         for launcher in (self.gateway, self.cascade, self.generation, self.rankers, self.shards):
             if launcher is None:
                 continue
@@ -225,6 +240,21 @@ class ServingStack:
                 self.generation.wait_serving(k, timeout_s)
         if self.gateway is not None:
             self.gateway.wait_serving(timeout_s)
+
+    def supervise(self, config: SupervisorConfig = SupervisorConfig(), *, on_event: Callable[[str], None] | None = None) -> SupervisorThread:
+        """Restart every child that exits on its own, with backoff, from now until
+        :meth:`stop` (:mod:`recserve.cluster.supervise`); call once :meth:`start` has
+        returned. Its report goes to :attr:`supervisor_state_file` (the gateway's
+        ``/readyz`` and status page show crash-looping children); ``on_event`` gets a line
+        per exit and restart."""
+        if self.supervisor is not None:
+            return self.supervisor
+        launchers = (self.shards, self.rankers, self.cascade, self.generation, self.gateway)
+        # Each launcher's ProcessGroup: a restart keeps the member's port and data directory.
+        groups: list[Supervised] = [launcher._group for launcher in launchers if launcher is not None]
+        self.supervisor = SupervisorThread(Supervisor(groups, config, now=time.monotonic()), state_file=self.supervisor_state_file, on_event=on_event)
+        self.supervisor.start()
+        return self.supervisor
 
     # -- what is running ---------------------------------------------------------------
 

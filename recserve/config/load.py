@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from recserve.config.spec import (
+    AdminConfig,
     CascadeConfig,
     ClusterConfig,
     FeatureConfig,
@@ -28,6 +29,7 @@ from recserve.config.spec import (
     ShardServerConfig,
     TableConfig,
     TenantConfig,
+    TlsConfig,
     TopologyConfig,
 )
 from recserve.errors import ConfigError
@@ -312,6 +314,8 @@ def parse_spec(raw: dict[str, Any]) -> ClusterConfig:
         tenants=tenants,
         topology=section(TopologyConfig, "topology"),
         generation=section(GenerationServiceConfig, "generation"),
+        admin=section(AdminConfig, "admin"),
+        tls=section(TlsConfig, "tls"),
     )
 
 

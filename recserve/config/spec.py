@@ -116,6 +116,9 @@ class ShardingConfig:
     virtual_nodes: int = 64
     shard_memory_bytes: int = 2 << 30
     placement: str = "fractions"
+    # Tables above this many rows route by ring arithmetic + sorted hot/warm sets
+    # instead of a dense per-row map (recserve.sharding.router; 2-4 B per row).
+    dense_route_max_rows: int = 50_000_000
 
     def __post_init__(self) -> None:
         _require(self.num_shards >= 1, "sharding.num_shards", self.num_shards, "use at least 1 shard")
@@ -127,6 +130,7 @@ class ShardingConfig:
         _require(0 <= self.column_splits <= self.num_shards, "sharding.column_splits", self.column_splits, f"use 0 (auto) or 1..num_shards ({self.num_shards})")
         _require(1 <= self.cold_replicas <= self.num_shards, "sharding.cold_replicas", self.cold_replicas, f"use 1..num_shards ({self.num_shards})")
         _require(1 <= self.virtual_nodes <= 4096, "sharding.virtual_nodes", self.virtual_nodes, "use 1..4096 virtual nodes per shard")
+        _require(self.dense_route_max_rows >= 0, "sharding.dense_route_max_rows", self.dense_route_max_rows, "use 0 (always ring arithmetic) or a row count")
         _require(self.shard_memory_bytes > 0, "sharding.shard_memory_bytes", self.shard_memory_bytes, "set a positive per-shard DRAM budget in bytes")
 
 
@@ -366,6 +370,9 @@ class RoutingConfig:
     * ``hedge_percentile``: the hedge delay is this percentile of a replica's recent
       latency (:class:`~recserve.routing.latency.LatencyTracker`), floored at
       ``hedge_min_ms``.
+    * ``dns_refresh_ms``: a replica address that is a name (a Kubernetes headless
+      Service) is re-resolved this often, each answer one replica
+      (:mod:`recserve.routing.resolve`); IP literals and ``unix:`` are never looked up.
     """
 
     policy: str = "two_choices"
@@ -378,8 +385,11 @@ class RoutingConfig:
     affinity_seed: int = 0
     hedge_percentile: float = 95.0
     hedge_min_ms: float = 2.0
+    dns_refresh_ms: float = 30_000.0
 
     def __post_init__(self) -> None:
+        _require(math.isfinite(self.dns_refresh_ms) and self.dns_refresh_ms >= 0, "routing.dns_refresh_ms", self.dns_refresh_ms,
+                 "use >= 0 ms between re-resolutions of replica names (0 = resolve once)")
         _require(self.policy in ROUTING_POLICIES, "routing.policy", self.policy, f"use one of {list(ROUTING_POLICIES)}")
         _require(0.0 <= self.retry_budget <= 1.0, "routing.retry_budget", self.retry_budget, "use a fraction of primary calls in [0, 1]")
         _require(self.retry_burst >= 0.0, "routing.retry_burst", self.retry_burst, "use >= 0 tokens")
@@ -510,6 +520,49 @@ class GatewayConfig:
         _require(1024 <= self.max_body_bytes <= 256 << 20, "gateway.max_body_bytes", self.max_body_bytes, "use 1024..268435456 bytes (default 1 MiB)")
         _require(1 <= self.max_concurrency <= 1_000_000, "gateway.max_concurrency", self.max_concurrency, "use 1..1000000 requests in flight")
         _require(_is_token(self.api_key_header), "gateway.api_key_header", self.api_key_header, 'use an HTTP header name of letters, digits and "-", e.g. "X-API-Key"')
+
+
+@dataclasses.dataclass(frozen=True)
+class AdminConfig:
+    """Who may run admin operations (shard ``Upsert``; ``Admin.ReloadModels``,
+    ``RefreshIndex``, ``AddItems``): callers sending ``authorization: Bearer <token>``
+    in call metadata (:mod:`recserve.rpc.auth`).
+
+    * ``token_env``: the environment variable every process reads the token from (the
+      token itself never sits in the spec). A process without a token refuses admin
+      operations unless it was started with ``--insecure-admin``.
+    """
+
+    token_env: str = "RECSERVE_ADMIN_TOKEN"
+
+    def __post_init__(self) -> None:
+        _require(_is_token(self.token_env) and "-" not in self.token_env and "." not in self.token_env, "admin.token_env", self.token_env,
+                 'name an environment variable (letters, digits, "_"), e.g. "RECSERVE_ADMIN_TOKEN"')  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsConfig:
+    """Optional TLS on every gRPC server that reads this spec and on the HTTP gateway
+    (:mod:`recserve.rpc.auth`). All empty = plaintext (the default, for loopback).
+
+    * ``cert_file`` / ``key_file``: the PEM certificate chain and private key the
+      servers present; both or neither.
+    * ``ca_file``: the PEM roots clients verify the servers with (default: the system
+      roots); for a self-signed certificate, the certificate itself.
+    """
+
+    cert_file: str = ""
+    key_file: str = ""
+    ca_file: str = ""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.cert_file) == bool(self.key_file), "tls.cert_file / tls.key_file", (self.cert_file, self.key_file),
+                 "give both the certificate and its private key (PEM files), or neither for plaintext")  # fmt: skip
+        _require(not self.ca_file or bool(self.cert_file), "tls.ca_file", self.ca_file, "set tls.cert_file and tls.key_file too (ca_file alone enables nothing)")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
 
 
 def _is_token(text: str) -> bool:
@@ -674,6 +727,8 @@ class ClusterConfig:
     tenants: tuple[TenantConfig, ...] = ()
     topology: TopologyConfig = TopologyConfig()
     generation: GenerationServiceConfig = GenerationServiceConfig()
+    admin: AdminConfig = AdminConfig()
+    tls: TlsConfig = TlsConfig()
 
     def __post_init__(self) -> None:
         _require(len(self.tables) > 0, "tables", list(self.tables), "declare at least one [[tables]] entry")

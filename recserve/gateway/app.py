@@ -40,6 +40,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
 import time
 import uuid
@@ -49,11 +50,13 @@ from typing import Any, Protocol
 import numpy as np
 from aiohttp import web
 
+from recserve.cluster.supervise import SUPERVISOR_STATE_ENV, read_report
 from recserve.config.spec import ClusterConfig
 from recserve.errors import InternalError, InvalidField, RecserveError, Unavailable
 from recserve.gateway.openapi import openapi_document
 from recserve.gateway.schemas import ObjectSchema, request_schemas
 from recserve.gateway.tenants import Quotas, TenantTable
+from recserve.rpc.auth import bind_caller_key
 from recserve.gateway.validate import parse_json_object, validate
 from recserve.logs import set_request_id
 from recserve.metrics import catalog
@@ -244,7 +247,10 @@ class _Admitted:
         g.inflight += 1
         self.slot = True
         try:
-            tenant = g.tenants.authenticate(request.headers.get(g.tenants.header))
+            presented = request.headers.get(g.tenants.header)
+            tenant = g.tenants.authenticate(presented)
+            # The downstream gRPC servers authenticate the tenant again: forward the key.
+            bind_caller_key(presented or "", g.tenants.header.lower())
             body = validate(self.schema, parse_json_object(await _read_body(request, limit.max_body_bytes)))
             g.quotas.admit(tenant.name, g.downstream.clock())
         except BaseException:
@@ -383,8 +389,10 @@ async def _check_ready(g: Gateway) -> dict[str, bool]:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """200 when every downstream reports SERVING, else 503 + ``Retry-After``; from a
-    check at most READY_CACHE_S old (one check in flight, shared by every caller)."""
+    """200 when every downstream reports SERVING and (under ``recserve serve``) no child
+    crash-loops, else 503 + ``Retry-After``; from a check at most READY_CACHE_S old (one
+    check in flight, shared by every caller). The body names the crash-looping children
+    (``crash_looping``) and the supervisor's per-child restarts (``supervisor``)."""
     g = request.app[GATEWAY_KEY]
     now = g.downstream.clock()
     if now - g.ready_at > READY_CACHE_S:
@@ -398,7 +406,16 @@ async def readyz(request: web.Request) -> web.Response:
             if check.done() and g.ready_check is check:
                 g.ready_check = None
     ready = bool(g.ready) and all(g.ready.values())
-    body = {"ready": ready, "downstream": [{"address": a, "serving": s} for a, s in g.ready.items()]}
+    body: dict[str, Any] = {"ready": ready, "downstream": [{"address": a, "serving": s} for a, s in g.ready.items()]}
+    # Under `recserve serve` the supervisor restarts crashed children; one that crash-loops
+    # is not ready even in the moments it answers SERVING between crashes: say so.
+    report = read_report(os.environ.get(SUPERVISOR_STATE_ENV))
+    if report is not None:
+        looping = list(report.get("crash_looping") or [])
+        body["crash_looping"] = looping
+        body["supervisor"] = report.get("children", {})
+        if looping:
+            ready = body["ready"] = False
     return web.json_response(body, status=200 if ready else 503, headers=None if ready else {"Retry-After": "1"})
 
 

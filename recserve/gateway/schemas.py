@@ -200,6 +200,8 @@ def response_schemas() -> dict[str, ObjectSchema]:
         "ReadyResponse": ObjectSchema("ReadyResponse", "readiness of every downstream", (
             Field("ready", Kind.BOOLEAN, "whether every downstream is SERVING", required=True),
             Field("downstream", Kind.OBJECT_ARRAY, "one entry per downstream address", required=True, items=DOWNSTREAM),
+            Field("crash_looping", Kind.ANY, "under `recserve serve`: names of the children crash-looping now (any makes it 503)"),
+            Field("supervisor", Kind.ANY, "under `recserve serve`: per child its state, restarts, last exit code, recent exits"),
         )),  # fmt: skip
         "GenerateChunk": ObjectSchema("GenerateChunk", "the data of one `event: chunk` of POST /v1/generate's event stream", (
             Field("index", Kind.INTEGER, "chunk sequence number, from 0 (also the event's id)", required=True),

@@ -25,6 +25,7 @@ from aiohttp import web
 from recserve.config.spec import ClusterConfig
 from recserve.errors import Unavailable
 from recserve.logs import register_secret
+from recserve.rpc.auth import server_ssl_context
 from recserve.rpc.serving import stop_on_signals, write_port_file
 
 log = logging.getLogger(__name__)
@@ -76,9 +77,12 @@ async def serve(config: GatewayProcessConfig, stop: asyncio.Event | None = None,
     tenants = TenantTable.from_env(cluster.tenants, env, header=cluster.gateway.api_key_header)
     # The keys' variables may have any name: mask their values in every log line (recserve.logs).
     register_secret(*(env[t.api_key_env] for t in cluster.tenants if t.api_key_env and env.get(t.api_key_env)))
-    client = RecClient(config.recommenders, config.rankers, cluster.routing)
+    # [tls]: the gateway serves HTTPS and reaches the gRPC servers (which read the same
+    # spec) over TLS; a bad certificate fails here, before anything listens.
+    ssl_context = server_ssl_context(cluster.tls)
+    client = RecClient(config.recommenders, config.rankers, cluster.routing, tls=cluster.tls)
     await client.start()
-    generator = GenerationClient(config.generators, cluster.routing) if config.generators else None
+    generator = GenerationClient(config.generators, cluster.routing, tls=cluster.tls) if config.generators else None
     if generator is not None:
         await generator.start()
     runner: web.AppRunner | None = None
@@ -88,14 +92,15 @@ async def serve(config: GatewayProcessConfig, stop: asyncio.Event | None = None,
         sock = _bind(config.host, config.port)
         bound = int(sock.getsockname()[1])
         targets = dict(config.scrape)
-        targets.setdefault("gateway", f"http://{config.host}:{bound}/metrics")
+        scheme = "https" if ssl_context is not None else "http"
+        targets.setdefault("gateway", f"{scheme}://{config.host}:{bound}/metrics")
         app = make_app(cluster, client, tenants, scrape_targets=targets, generator=generator)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=GRACE_S)
         await runner.setup()
-        await web.SockSite(runner, sock).start()
+        await web.SockSite(runner, sock, ssl_context=ssl_context).start()
         if config.port_file:
             write_port_file(config.port_file, bound)
-        log.info("HTTP gateway at http://%s:%d (recommenders %s, rankers %s, generators %s, tenants %s)", config.host, bound,
+        log.info("HTTP gateway at %s://%s:%d (recommenders %s, rankers %s, generators %s, tenants %s)", scheme, config.host, bound,
                  ",".join(config.recommenders), ",".join(config.rankers) or "-", ",".join(config.generators) or "-",
                  [t.name for t in tenants.tenants])  # fmt: skip
         stop = stop or asyncio.Event()

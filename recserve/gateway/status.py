@@ -33,6 +33,7 @@ import dataclasses
 import importlib.resources
 import logging
 import math
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from typing import Any
@@ -41,6 +42,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from recserve.cluster.supervise import SUPERVISOR_STATE_ENV, read_report
 from recserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -450,7 +452,10 @@ def add_routes(
         return web.Response(text=html, content_type="text/html", charset="utf-8")
 
     async def status(request: web.Request) -> web.Response:
-        return web.json_response(core.status(), headers={"Cache-Control": "no-store"})
+        body = core.status()
+        # Under `recserve serve`: the supervisor's restarts and crash-loops, not hidden.
+        body["supervisor"] = read_report(os.environ.get(SUPERVISOR_STATE_ENV))
+        return web.json_response(body, headers={"Cache-Control": "no-store"})
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         await scraper.start()
@@ -515,6 +520,8 @@ def openapi_paths() -> dict[str, Any]:
         "lookup": array(lookup, "per process with a lookup client, then a 'total' row"),
         "degraded": array(reasons("service"), "degraded responses by service and reason"),
         "stage_degraded": array(reasons("stage"), "degraded cascade stages by stage and reason"),
+        "supervisor": {"type": "object", "nullable": True, "description": "under `recserve serve`: crash_looping (child names) and "
+                       "per child its state, restarts, last exit code and recent exits (recserve/cluster/supervise.py); null otherwise"},
     }, "The status page's numbers, from every process's /metrics")  # fmt: skip
     return {
         "/": {"get": {"summary": "The status page (HTML, for people)", "responses": {

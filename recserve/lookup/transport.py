@@ -38,7 +38,8 @@ class ShardTransport(Protocol):
 
     async def lookup(self, shard: int, request: embedding_pb2.LookupRequest, timeout_s: float) -> embedding_pb2.LookupResponse: ...
 
-    async def upsert(self, shard: int, request: embedding_pb2.UpsertRequest, timeout_s: float) -> embedding_pb2.UpsertResponse: ...
+    async def upsert(self, shard: int, request: embedding_pb2.UpsertRequest, timeout_s: float,
+                     metadata: Sequence[tuple[str, str]] = ()) -> embedding_pb2.UpsertResponse: ...  # fmt: skip
 
     async def get_plan(self, shard: int, timeout_s: float) -> embedding_pb2.GetPlanResponse: ...
 
@@ -112,11 +113,11 @@ class GrpcShardTransport:
             self._stubs[shard] = stub
         return stub
 
-    async def _call(self, shard: int, method: str, request: object, timeout_s: float) -> object:
+    async def _call(self, shard: int, method: str, request: object, timeout_s: float, metadata: Sequence[tuple[str, str]] = ()) -> object:
         if not 0 <= shard < len(self.addresses):
             raise shard_call_error(shard, grpc.StatusCode.INVALID_ARGUMENT, f"no address for shard {shard} ({len(self.addresses)} known)")
         try:
-            return await getattr(self._stub(shard), method)(request, timeout=max(timeout_s, 1e-3))
+            return await getattr(self._stub(shard), method)(request, timeout=max(timeout_s, 1e-3), metadata=tuple(metadata) or None)
         except grpc.aio.AioRpcError as e:
             raise shard_call_error(shard, e.code(), e.details() or "") from None
         except asyncio.TimeoutError:
@@ -125,8 +126,10 @@ class GrpcShardTransport:
     async def lookup(self, shard: int, request: embedding_pb2.LookupRequest, timeout_s: float) -> embedding_pb2.LookupResponse:
         return await self._call(shard, "Lookup", request, timeout_s)  # type: ignore[return-value]
 
-    async def upsert(self, shard: int, request: embedding_pb2.UpsertRequest, timeout_s: float) -> embedding_pb2.UpsertResponse:
-        return await self._call(shard, "Upsert", request, timeout_s)  # type: ignore[return-value]
+    async def upsert(self, shard: int, request: embedding_pb2.UpsertRequest, timeout_s: float,
+                     metadata: Sequence[tuple[str, str]] = ()) -> embedding_pb2.UpsertResponse:  # fmt: skip
+        """``metadata``: the admin token's ``authorization`` (:func:`recserve.rpc.auth.admin_metadata`)."""
+        return await self._call(shard, "Upsert", request, timeout_s, metadata)  # type: ignore[return-value]
 
     async def get_plan(self, shard: int, timeout_s: float) -> embedding_pb2.GetPlanResponse:
         return await self._call(shard, "GetPlan", embedding_pb2.GetPlanRequest(), timeout_s)  # type: ignore[return-value]

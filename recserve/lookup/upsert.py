@@ -16,6 +16,7 @@ import numpy as np
 
 from recserve.errors import InternalError, RecserveError
 from recserve.lookup.transport import ShardTransport
+from recserve.rpc.auth import admin_metadata
 from recserve.rpc.status import error_from_code, grpc_code
 from recserve.rpc.tensors import pack
 from recserve.sharding.plan import ShardingPlan
@@ -35,7 +36,8 @@ async def send_upsert(
 ) -> dict[int, int]:
     """Upsert ``rows`` (fp32 [N, dim]) of ``ids`` (int64 [N]) into every owner.
 
-    Returns shard -> rows written. Raises the first failure as a RecserveError of the
+    ``admin_token`` travels as ``authorization: Bearer`` call metadata (the shards'
+    admin check, :class:`recserve.rpc.auth.AdminAuth`). Returns shard -> rows written. Raises the first failure as a RecserveError of the
     shard's status kind, naming every shard that did not acknowledge (the rows may then
     be applied on some owners and not others; upserts are idempotent, so retry).
     """
@@ -43,7 +45,6 @@ async def send_upsert(
     requests = {
         shard: embedding_pb2.UpsertRequest(
             header=header,
-            admin_token=admin_token,
             tables=[
                 embedding_pb2.TableUpsert(table=table, ids=pack(p_ids), rows=pack(np.ascontiguousarray(p_rows, dtype=np.float32)), col_start=a, col_end=b)
                 for p_ids, p_rows, a, b in shard_parts
@@ -52,7 +53,8 @@ async def send_upsert(
         for shard, shard_parts in parts.items()
     }
     shards = list(requests)
-    replies = await asyncio.gather(*(transport.upsert(s, requests[s], timeout_s) for s in shards), return_exceptions=True)
+    metadata = admin_metadata(admin_token)
+    replies = await asyncio.gather(*(transport.upsert(s, requests[s], timeout_s, metadata) for s in shards), return_exceptions=True)
     failed = [(s, r) for s, r in zip(shards, replies) if isinstance(r, BaseException)]
     if failed:
         first = failed[0][1]

@@ -36,8 +36,11 @@ Example (fake clock)::
         retry = router.pick(now, cost=500, retry_of=replica)  # another replica
         router.on_result(retry, grpc.StatusCode.OK, 0.003, now, cost=500)
 
-Replica membership is fixed per router; a changed replica set builds a new one (the
-affinity ring of the new set moves only the keys it must).
+Membership changes through :meth:`Router.set_replicas` (a headless Service re-resolved:
+:mod:`recserve.routing.resolve`): replicas that stay keep their breaker, latency and
+in-flight state; new ones start fresh; a removed replica's calls still out report into
+nothing (their results are dropped, not errors). The affinity ring of the new set moves
+only the keys it must.
 """
 
 from __future__ import annotations
@@ -114,7 +117,50 @@ class Router:
         # call never frees a half-open probe permit it did not hold (an unattributed
         # cancelled probe keeps its permit until the breaker's lost-probe expiry).
         self._unpermitted = np.zeros(n, dtype=np.int64)
+        self._retired: set[str] = set()  # removed by set_replicas: their late results are dropped
         self.stats = RouterStats()
+
+    # ---- membership ---------------------------------------------------------------
+
+    def set_replicas(self, replicas: Sequence[str]) -> None:
+        """Route over ``replicas`` from now on (the resolver's new answer). State is kept
+        per replica name: a replica that stays keeps its breaker, latency window,
+        in-flight and reported work; a new one starts closed and idle. Runs once per
+        membership change (not per call), so its loop over replica names is fine."""
+        new = tuple(replicas)
+        if new == self.replicas:
+            return
+        cfg = self.config
+        affinity = AffinityRing(new, virtual_nodes=cfg.affinity_virtual_nodes, seed=cfg.affinity_seed)  # validates the names
+        n = len(affinity.replicas)
+        pairs = [(j, self._index[name]) for j, name in enumerate(affinity.replicas) if name in self._index]
+        new_pos = np.array([j for j, _ in pairs], dtype=np.int64)
+        old_pos = np.array([i for _, i in pairs], dtype=np.int64)
+        breakers = Breakers(n, failures=cfg.breaker_failures, open_s=cfg.breaker_open_ms / 1e3, half_open_probes=cfg.half_open_probes)
+        latency = LatencyTracker(n, percentile=cfg.hedge_percentile, min_delay_s=cfg.hedge_min_ms / 1e3)
+        old_n = len(self.replicas)
+        for fresh, old in ((breakers, self.breakers), (latency, self.latency)):
+            _carry_rows(old, fresh, old_n, old_pos, new_pos)
+        weights = np.ones(n)
+        weights[new_pos] = self.weights[old_pos]  # a new replica gets weight 1
+        arrays = {}
+        for name in ("inflight", "reported", "_unpermitted"):
+            old_arr = getattr(self, name)
+            arr = np.zeros(n, dtype=old_arr.dtype)
+            arr[new_pos] = old_arr[old_pos]
+            arrays[name] = arr
+        self._retired = (self._retired | set(self.replicas)) - set(affinity.replicas)
+        self.affinity, self.replicas = affinity, affinity.replicas
+        self._index = {name: i for i, name in enumerate(self.replicas)}
+        self.weights, self.breakers, self.latency = weights, breakers, latency
+        self.inflight, self.reported, self._unpermitted = arrays["inflight"], arrays["reported"], arrays["_unpermitted"]
+
+    def _slot(self, replica: str) -> int | None:
+        """The replica's index, or None for one removed by :meth:`set_replicas` (a call
+        to it ended after it left: nothing to account)."""
+        if replica in self._retired:
+            return None
+        return self.index(replica)
 
     # ---- choosing -----------------------------------------------------------------
 
@@ -198,7 +244,9 @@ class Router:
         None records nothing (a stream whose first message :meth:`on_answer` timed).
         ``cost``: the cost passed to :meth:`pick` (as moved by :meth:`add_inflight`).
         """
-        i = self.index(replica)
+        i = self._slot(replica)
+        if i is None:
+            return
         self.inflight[i] = max(0.0, self.inflight[i] - cost)
         held_permit = self._unpermitted[i] == 0
         if not held_permit:
@@ -233,14 +281,16 @@ class Router:
 
     def hedge_delay(self, replica: str) -> float:
         """Seconds to wait on ``replica`` before hedging (its recent latency percentile)."""
-        return self.latency.hedge_delay(self.index(replica))
+        i = self._slot(replica)
+        return self.latency.hedge_delay(i) if i is not None else self.latency.default_delay_s
 
     def add_inflight(self, replica: str, delta: float) -> None:
         """Move a call in progress's cost by ``delta`` (a generation stream's work
         changes as its chunks arrive: :class:`~recserve.routing.load.DecodeLoad`); the
         cost later reported to :meth:`on_result` is the moved one."""
-        i = self.index(replica)
-        self.inflight[i] = max(0.0, self.inflight[i] + delta)
+        i = self._slot(replica)
+        if i is not None:
+            self.inflight[i] = max(0.0, self.inflight[i] + delta)
 
     def on_answer(self, replica: str, latency_s: float, now: float) -> None:
         """A streaming call's first message arrived after ``latency_s``: the replica
@@ -248,13 +298,31 @@ class Router:
         must not hold the replica's traffic back that long) and the time to the first
         message feeds its hedge delay. The call is still in flight: end it with
         :meth:`on_result`, passing ``latency_s=None`` (recorded once)."""
-        i = self.index(replica)
+        i = self._slot(replica)
+        if i is None:
+            return
         self.breakers.on_success(i, now)
         self.latency.record(i, latency_s, now)
 
     def set_reported_load(self, replica: str, work: float) -> None:
         """The replica's own report of work this router did not send (same unit as cost)."""
-        self.reported[self.index(replica)] = max(0.0, work)
+        i = self._slot(replica)
+        if i is not None:
+            self.reported[i] = max(0.0, work)
 
     def state(self, replica: str, now: float) -> BreakerState:
         return self.breakers.state(self.index(replica), now)
+
+
+def _carry_rows(old: object, fresh: object, old_n: int, old_pos: np.ndarray, new_pos: np.ndarray) -> None:
+    """Copy the per-replica rows of ``old``'s arrays (first axis = replicas) into
+    ``fresh``'s at the replicas' new positions, and its scalar counters as they are:
+    breakers and latency trackers keep their state across a membership change without
+    this module knowing their fields."""
+    for name, value in vars(old).items():
+        if isinstance(value, np.ndarray) and value.ndim >= 1 and value.shape[0] == old_n:
+            target = getattr(fresh, name)
+            if isinstance(target, np.ndarray) and target.shape[1:] == value.shape[1:]:
+                target[new_pos] = value[old_pos]
+        elif not isinstance(value, np.ndarray):
+            setattr(fresh, name, value)

@@ -53,6 +53,9 @@ from recserve.metrics.interceptor import MetricsInterceptor, metered_handler
 from recserve.rpc.status import abort_with, abort_with_sync
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# Liveness, apart from readiness ("" and each service): SERVING from listen to shutdown
+# (recserve.rpc.health, which also runs the deep check behind readiness).
+LIVENESS_SERVICE = "recserve.liveness"
 REFLECTION_SERVICE: str = reflection.SERVICE_NAME
 # Wrapped handlers are cached per (method, handler); generic handlers are static, so this
 # stays at one entry per method. The bound only guards against a handler that builds a
@@ -60,6 +63,14 @@ REFLECTION_SERVICE: str = reflection.SERVICE_NAME
 _CACHE_LIMIT = 1024
 
 Deserializer = Callable[[bytes], Any]
+
+# RPCs one server runs at once (grpc's ``maximum_concurrent_rpcs``); past it, grpc
+# answers RESOURCE_EXHAUSTED itself, before any servicer or interceptor code runs, so a
+# refusal under overload costs microseconds instead of a wait behind a saturated event
+# loop (issue 17, "shedding is cheap"). Health watches count too: far above any
+# process's useful concurrency (its schedulers queue the rest), far below where the
+# event loop itself drowns.
+MAX_CONCURRENT_RPCS = 2048
 
 
 class MalformedRequest(InvalidArgument):
@@ -82,12 +93,15 @@ def make_server(
     options: Sequence[tuple[str, Any]] = (),
     interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     metrics: bool = True,
+    maximum_concurrent_rpcs: int | None = MAX_CONCURRENT_RPCS,
 ) -> grpc.aio.Server:
     """A ``grpc.aio.Server`` whose every method answers malformed request bytes with
     ``INVALID_ARGUMENT`` naming the method (a :class:`CheckedServer`) and, with
     ``metrics``, has every call but health and reflection counted and timed
     (``recserve_rpc_requests_total`` / ``recserve_rpc_latency_seconds``:
     :mod:`recserve.metrics.interceptor`). ``options`` are added after :func:`server_options`.
+    ``maximum_concurrent_rpcs`` (None: unbounded) is grpc's own bound: a call past it is
+    answered RESOURCE_EXHAUSTED by grpc at once (:data:`MAX_CONCURRENT_RPCS`).
 
     Without ``interceptors`` the handlers are wrapped once, at registration (metering
     outermost, so a malformed request is counted too). With them, the wrapping moves
@@ -99,9 +113,10 @@ def make_server(
     server_opts = [*server_options(max_message_bytes), *options]
     if interceptors:
         outer: list[grpc.aio.ServerInterceptor] = [MetricsInterceptor()] if metrics else []
-        inner = grpc.aio.server(interceptors=[*outer, CheckingInterceptor(), *interceptors], options=server_opts)
+        inner = grpc.aio.server(interceptors=[*outer, CheckingInterceptor(), *interceptors], options=server_opts,
+                                maximum_concurrent_rpcs=maximum_concurrent_rpcs)  # fmt: skip
         return CheckedServer(inner, check_at_registration=False)
-    return CheckedServer(grpc.aio.server(options=server_opts), metrics=metrics)
+    return CheckedServer(grpc.aio.server(options=server_opts, maximum_concurrent_rpcs=maximum_concurrent_rpcs), metrics=metrics)
 
 
 async def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> Health:
@@ -110,7 +125,8 @@ async def add_health_and_reflection(server: grpc.aio.Server, service_names: Iter
     :class:`CheckedServer` (so a service whose name the caller forgot is still listed,
     and fuzzed by ``tests/grpc_fuzz.py``: register services first), and health and
     reflection themselves; health answers NOT_SERVING for ``""`` and each of
-    ``service_names`` until the caller sets SERVING. Returns the health servicer
+    ``service_names`` until the caller sets SERVING, and :data:`LIVENESS_SERVICE`
+    SERVING from now on. Returns the health servicer
     (``await health.set(name, status)``)."""
     names = list(service_names)
     health = Health()
@@ -120,6 +136,7 @@ async def add_health_and_reflection(server: grpc.aio.Server, service_names: Iter
     reflection.enable_server_reflection(tuple(listed), server)
     for name in ("", *names):
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)  # alive, even while loading
     return health
 
 

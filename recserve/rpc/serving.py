@@ -6,7 +6,6 @@ listen-first / load / serve / drain life of a process that composes them."""
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import signal
@@ -18,20 +17,15 @@ from typing import Generic, Protocol, TypeVar
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from recserve.errors import PermissionDenied, Unavailable
+from recserve.config.spec import TlsConfig
+from recserve.errors import Unavailable
+from recserve.rpc.auth import add_listening_port, open_channel
 from recserve.rpc.server import Health
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 POLL_S = 0.2
 CHECK_TIMEOUT_S = 10.0
-
-
-def require_admin_token(given: str, want: str, what: str) -> None:
-    """PermissionDenied naming ``what`` (e.g. ``Admin.ReloadModels``) unless the process
-    has no admin token or ``given`` equals it (constant-time comparison)."""
-    if want and not hmac.compare_digest(given.encode(), want.encode()):
-        raise PermissionDenied(f"{what} needs the admin token (admin_token)")
 
 
 def write_port_file(path: str | Path, port: int) -> None:
@@ -49,11 +43,20 @@ class Slot(Generic[T]):
     def __init__(self, what: str) -> None:
         self.what = what
         self.value: T | None = None
+        # Why the deep check fails ("" = it passes; recserve.rpc.health): calls then
+        # answer UNAVAILABLE, so the callers' breakers take this replica out.
+        self.not_serving = ""
 
     def get(self) -> T:
         if self.value is None:
             raise Unavailable(f"the {self.what} is still loading; retry shortly", retry_after_s=1.0)
+        if self.not_serving:
+            raise Unavailable(f"the {self.what} is NOT_SERVING: {self.not_serving}", retry_after_s=1.0)
         return self.value
+
+    def set_not_serving(self, reason: str) -> None:
+        """The deep check's verdict (:class:`recserve.rpc.health.DeepCheck`'s ``on_change``)."""
+        self.not_serving = reason
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:
@@ -66,16 +69,16 @@ def stop_on_signals(stop: asyncio.Event) -> None:
             pass
 
 
-async def wait_until_serving(addresses: Sequence[str], *, service: str = "", what: str = "server", timeout_s: float) -> None:
+async def wait_until_serving(addresses: Sequence[str], *, service: str = "", what: str = "server", timeout_s: float, tls: TlsConfig | None = None) -> None:
     """Wait until every address reports ``service`` SERVING on gRPC health (a process
     started beside its dependencies waits for them instead of failing); Unavailable
-    naming each laggard and its state after ``timeout_s``."""
+    naming each laggard and its state after ``timeout_s``. ``tls``: they listen with TLS."""
     end = time.monotonic() + timeout_s
     request = health_pb2.HealthCheckRequest(service=service)
     while True:
         waiting = []
         for k, address in enumerate(addresses):
-            async with grpc.aio.insecure_channel(address) as channel:
+            async with open_channel(address, tls) as channel:
                 try:
                     reply = await health_pb2_grpc.HealthStub(channel).Check(request, timeout=CHECK_TIMEOUT_S)
                     if reply.status != health_pb2.HealthCheckResponse.SERVING:
@@ -110,6 +113,7 @@ async def serve_loaded(
     on_ready: Callable[[C, int], None] | None = None,
     stop: asyncio.Event | None = None,
     grace_s: float = 2.0,
+    tls: TlsConfig | None = None,
 ) -> None:
     """Run a server process whose core takes a while to load, honestly observable:
 
@@ -122,9 +126,11 @@ async def serve_loaded(
        ``services``, and serve until ``stop``;
     4. health NOT_SERVING (watch streams end), ``grace_s`` for in-flight calls, then
        ``core.aclose()``.
+
+    ``tls``: listen with TLS when it is enabled (``[tls]``; :mod:`recserve.rpc.auth`).
     """
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = add_listening_port(server, f"{host}:{port}", tls)
     except RuntimeError:  # grpc's "Failed to bind": a clear error, not a traceback
         raise Unavailable(f"{what}: cannot listen on {host}:{port} (port in use or address not local); pick another --port") from None
     await server.start()

@@ -21,6 +21,7 @@ GRPC_CODE: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
     ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+    ErrorKind.UNIMPLEMENTED: grpc.StatusCode.UNIMPLEMENTED,
     # A schema failure the HTTP gateway found: to gRPC it is an invalid argument.
     ErrorKind.UNPROCESSABLE: grpc.StatusCode.INVALID_ARGUMENT,
 }
@@ -36,6 +37,7 @@ HTTP_STATUS: dict[ErrorKind, int] = {
     ErrorKind.PERMISSION_DENIED: 403,
     ErrorKind.INTERNAL: 500,
     ErrorKind.UNAUTHENTICATED: 401,
+    ErrorKind.UNIMPLEMENTED: 501,
     ErrorKind.UNPROCESSABLE: 422,
 }
 

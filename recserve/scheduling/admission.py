@@ -4,7 +4,11 @@ per-tenant quotas, checked and reserved in one synchronous step.
 - queue bound: queued item count and total queued cost;
 - per-tenant concurrent cost: cost admitted and not yet finished (queued + running +
   resident); reserved at add, released when the item reaches a terminal state;
-- per-tenant request rate: a token bucket refilled from the caller's clock.
+- per-tenant request rate: a token bucket refilled from the caller's clock;
+- deadline slack (``shed_by_slack``): the core sheds a request whose slack
+  (deadline − now) is below its estimated queue wait plus service time, from the
+  service-time fit (:class:`~recserve.scheduling.estimators.ServiceTimeEstimator`), the
+  mean batch size and the number of batches that run at once (:meth:`Admission.shed`).
 
 A rejection raises :class:`~recserve.errors.ResourceExhausted` with a ``retry_after_s``
 hint and costs a few microseconds: no allocation beyond the exception itself, no scan.
@@ -39,6 +43,10 @@ class AdmissionConfig:
     rate_burst_s: float = 0.1
     min_retry_after_s: float = 0.001
     max_retry_after_s: float = 10.0
+    # Shed at add a request whose deadline slack is below its estimated queue wait plus
+    # service time (reference §10.11.10): without it an overloaded EDF queue runs every
+    # item right at its deadline and most of them miss it. False: queue bounds only.
+    shed_by_slack: bool = True
 
     def __post_init__(self) -> None:
         require(self.max_queued_items >= 1, "admission.max_queued_items", self.max_queued_items, "use at least 1 item")
@@ -140,6 +148,19 @@ class Admission:
             quota.tokens -= 1.0
         quota.inflight_cost += cost
         return quota
+
+    def shed(self, request_id: str, slack_s: float, wait_s: float, service_s: float, queued_items: int) -> None:
+        """Raise ResourceExhausted if ``slack_s`` (deadline − now) is below ``wait_s``
+        (estimated queue wait) + ``service_s`` (estimated service time of its batch): the
+        request cannot finish in time, so refusing it now (a few µs, with a hint of when
+        the queue will have drained) beats running it into its deadline. Callers skip it
+        for requests without a deadline."""
+        if self.config.shed_by_slack and slack_s < wait_s + service_s:
+            raise ResourceExhausted(
+                f"request {request_id} has {slack_s * 1e3:.3f} ms of slack; the estimated queue wait "
+                f"{wait_s * 1e3:.3f} ms ({queued_items:,} items queued) + service {service_s * 1e3:.3f} ms exceed it: shed",
+                retry_after_s=self._hint(wait_s),
+            )
 
     @staticmethod
     def release(quota: TenantQuota | None, cost: float) -> None:

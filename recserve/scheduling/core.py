@@ -69,6 +69,10 @@ class Scheduler:
         self._inflight: dict[int, Batch] = {}
         self._running = 0
         self._seq = 0
+        # Batches the owner runs at once (the serving loop's max_inflight): the queue
+        # drains that many times faster, which the slack check at add accounts for.
+        self.parallelism = 1
+        self.shed = 0  # requests shed at add by the slack check (counted in drops as rejected too)
         self._batch_seq = 0
         # The view gets only what it lends the policy (view.py never imports this module).
         self._view = CoreView(
@@ -82,8 +86,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ calls
     def add(self, item: WorkItem, now: float, listener: ItemListener | None = None) -> Handle:
-        """Admit ``item`` or raise: ResourceExhausted (queue bound / tenant quota, with a
-        retry-after hint), DeadlineExceeded (deadline already passed), InvalidArgument
+        """Admit ``item`` or raise: ResourceExhausted (queue bound / tenant quota / too
+        little slack for the estimated queue wait + service time, with a retry-after
+        hint), DeadlineExceeded (deadline already passed), InvalidArgument
         (bad cost / deadline / priority, or a cost no bound could ever admit), or whatever
         the policy's ``on_add`` raises to refuse it (admission is then undone)."""
         cost = item.cost
@@ -102,6 +107,8 @@ class Scheduler:
             )
         queue = self._queue
         try:
+            if item.deadline < _INF and self.service.count:  # nothing to estimate before the first batch
+                self._shed_check(item, now)
             quota = self.admission.admit(item.tenant, cost, queue.count, queue.cost, now)
         except RecserveError:
             self.metrics.drops[DropReason.REJECTED] += 1
@@ -466,6 +473,33 @@ class Scheduler:
         handle.quota = None
         if self._on_finish is not None:
             self._on_finish(handle, now)
+
+    def estimated_wait_s(self) -> tuple[float, float]:
+        """``(queue wait, service)`` in seconds a request added now should expect: the
+        batches ahead of it (queued items / mean batch size, plus those running) times
+        the mean service time per batch, divided by :attr:`parallelism`; and the service-time
+        fit at the mean batch cost (its own batch). Conservative for a request whose
+        deadline or priority puts it ahead of part of the queue (EDF): it counts the
+        whole queue, which costs O(1), not a scan."""
+        m = self.metrics
+        service = self.service
+        mean_s = service.mean_s()
+        sizes, costs = m.batch_size, m.batch_cost
+        mean_size = sizes.total / sizes.count if sizes.count else 1.0
+        mean_cost = costs.total / costs.count if costs.count else 0.0
+        batches_ahead = self._queue.count / max(1.0, mean_size) + len(self._inflight)  # running ones hold the slots
+        wait_s = mean_s * batches_ahead / self.parallelism
+        return wait_s, max(mean_s, service.estimate_s(mean_cost))
+
+    def _shed_check(self, item: WorkItem, now: float) -> None:
+        """Shed ``item`` (ResourceExhausted) if its slack is below the estimated queue
+        wait + service time: it could only be run into its deadline (admission.py)."""
+        wait_s, service_s = self.estimated_wait_s()
+        try:
+            self.admission.shed(item.request_id, item.deadline - now, wait_s, max(service_s, self.service.estimate_s(item.cost)), self._queue.count)
+        except RecserveError:
+            self.shed += 1
+            raise
 
     def _queue_drain_hint(self) -> float:
         """Retry-after hint for a full queue: batches ahead × mean service per batch."""

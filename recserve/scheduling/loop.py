@@ -144,6 +144,7 @@ class ServingLoop:
         if max_inflight < 1:
             raise ConfigError(f"max_inflight = {max_inflight!r} is invalid: use at least 1 batch in flight")
         self.scheduler = scheduler
+        scheduler.parallelism = max_inflight  # its slack check at add: batches drain this many at once
         self._runner = runner
         self._is_async = inspect.iscoroutinefunction(runner) or inspect.iscoroutinefunction(getattr(runner, "__call__", None))
         self.max_inflight = max_inflight

@@ -35,7 +35,7 @@ import numpy as np
 
 from recserve.errors import ConfigError, NotFound
 from recserve.sharding.ring import Ring, balanced_tokens
-from recserve.sharding.router import TableRouter
+from recserve.sharding.router import DENSE_MAP_MAX_ROWS, TableRouter
 from recserve.sharding.table_plan import TablePlan, Tier, json_field, json_int, table_plan_from_dict
 
 __all__ = ["PLAN_FORMAT", "PLAN_FORMAT_VERSION", "ShardAssignment", "ShardingPlan", "TablePlan", "Tier"]
@@ -61,7 +61,13 @@ class ShardingPlan:
     ``ring_tokens`` (uint64 [num_shards, virtual_nodes]) defaults to the balanced ring
     of :func:`recserve.sharding.ring.balanced_tokens`. ``shard_keys`` (default
     ``0..num_shards-1``) names the physical shard behind each slot, so removing slot 2
-    renumbers later slots without pretending their data moved."""
+    renumbers later slots without pretending their data moved.
+
+    ``dense_route_max_rows``: tables up to this many rows route through a dense
+    per-row code map, larger ones by ring arithmetic plus their sorted hot / warm sets
+    (:mod:`recserve.sharding.router`). Both give identical answers, so it is not part
+    of equality; it travels in the JSON (optional there) so every process of a
+    deployment builds the same structures."""
 
     version: int
     num_shards: int
@@ -70,6 +76,7 @@ class ShardingPlan:
     seed: int = 0
     ring_tokens: np.ndarray | None = None
     shard_keys: tuple[int, ...] | None = None
+    dense_route_max_rows: int = DENSE_MAP_MAX_ROWS
     _routers: dict[str, TableRouter] = dataclasses.field(default_factory=dict, init=False, repr=False)
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, init=False, repr=False)
     _ring: Ring = dataclasses.field(init=False, repr=False)
@@ -104,6 +111,8 @@ class ShardingPlan:
         if len(keys) != self.num_shards or len(set(keys)) != len(keys):
             raise ConfigError(f"sharding plan shard_keys {list(keys)} must be {self.num_shards} distinct integers")
         object.__setattr__(self, "shard_keys", keys)
+        if self.dense_route_max_rows < 0:
+            raise ConfigError(f"sharding plan dense_route_max_rows = {self.dense_route_max_rows} must be >= 0 (0 = always ring arithmetic)")
         object.__setattr__(self, "_ring", Ring(tokens))
 
     @property
@@ -133,7 +142,7 @@ class ShardingPlan:
         with self._lock:
             r = self._routers.get(table)
             if r is None:
-                r = TableRouter(self.table(table), self.ring, seed=self.seed)
+                r = TableRouter(self.table(table), self.ring, seed=self.seed, dense_max_rows=self.dense_route_max_rows)
                 self._routers[table] = r
             return r
 
@@ -161,6 +170,7 @@ class ShardingPlan:
             "virtual_nodes": self.virtual_nodes,
             "seed": self.seed,
             "shard_keys": list(self.keys),
+            "dense_route_max_rows": self.dense_route_max_rows,
             "ring_tokens": base64.b64encode(self.tokens.astype("<u8").tobytes()).decode("ascii"),
             "tables": {name: t.to_dict() for name, t in sorted(self.tables.items())},
         }
@@ -199,6 +209,8 @@ class ShardingPlan:
                 seed=json_int(doc, "seed"),
                 ring_tokens=tokens,
                 shard_keys=tuple(keys),
+                # Optional: plans written before the field route with the default.
+                dense_route_max_rows=json_int(doc, "dense_route_max_rows") if "dense_route_max_rows" in doc else DENSE_MAP_MAX_ROWS,
             )
         except (ValueError, TypeError, zlib.error) as e:  # base64 / numpy decode errors
             raise ConfigError(f"sharding plan is malformed: {e}") from None

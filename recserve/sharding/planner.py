@@ -314,7 +314,10 @@ def plan_tables(
         plans = budget_fill(tables, probs, sharding, seed=seed)
     else:
         plans = {t.name: plan_table(t, probs.get(t.name), sharding) for t in tables}
-    plan = ShardingPlan(version=version, num_shards=sharding.num_shards, tables=plans, virtual_nodes=sharding.virtual_nodes, seed=seed)
+    plan = ShardingPlan(
+        version=version, num_shards=sharding.num_shards, tables=plans, virtual_nodes=sharding.virtual_nodes, seed=seed,
+        dense_route_max_rows=sharding.dense_route_max_rows,
+    )  # fmt: skip
     estimate = estimate_plan(plan, probs, window_lookups)
     check_memory(plan, estimate, sharding.shard_memory_bytes)
     return PlanResult(plan=plan, estimate=estimate, shard_memory_bytes=sharding.shard_memory_bytes)

@@ -34,6 +34,7 @@ def replan_add_shard(plan: ShardingPlan) -> tuple[ShardingPlan, float]:
         seed=plan.seed,
         ring_tokens=tokens,
         shard_keys=plan.keys + (max(plan.keys) + 1,),
+        dense_route_max_rows=plan.dense_route_max_rows,
     )
     return new, moved_fraction(plan, new)
 
@@ -58,6 +59,7 @@ def replan_remove_shard(plan: ShardingPlan, shard_id: int | None = None) -> tupl
         seed=plan.seed,
         ring_tokens=np.delete(plan.tokens, k, axis=0),
         shard_keys=plan.keys[:k] + plan.keys[k + 1 :],
+        dense_route_max_rows=plan.dense_route_max_rows,
     )
     return new, moved_fraction(plan, new)
 

@@ -142,13 +142,25 @@ class Ring:
         self.owners = np.append(owners, owners[0])  # int32 [T + 1]
         # Sentinel >= every hash stops the advance loop at the top of the ring.
         self._tokens_ext = np.append(self.sorted_tokens, _U64_MAX)
-        bits = int(np.clip(np.ceil(np.log2(max(16 * self.num_tokens, 2))), 10, 20))
+        bits = self.bucket_bits(self.num_tokens)
         self._shift = np.uint64(64 - bits)
         starts = np.arange(1 << bits, dtype=np.uint64) << self._shift
         self._bucket_first = np.searchsorted(self.sorted_tokens, starts, side="left").astype(np.intp)
         counts = np.diff(np.append(self._bucket_first, self.num_tokens))
         self._advance_steps = int(counts.max())
         self._succ_cache: dict[int, np.ndarray] = {}
+
+    @staticmethod
+    def bucket_bits(num_tokens: int) -> int:
+        """Top hash bits of the bucket table: ~16 buckets per token, 2**10..2**20."""
+        return int(np.clip(np.ceil(np.log2(max(16 * num_tokens, 2))), 10, 20))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: sorted tokens, owners, the search's token copy and bucket table,
+        and the cached successor tables (:func:`ring_memory_bytes` is the closed form)."""
+        arrays = [self.sorted_tokens, self.owners, self._tokens_ext, self._bucket_first, *self._succ_cache.values()]
+        return int(sum(a.nbytes for a in arrays))
 
     def positions(self, points: np.ndarray) -> np.ndarray:
         """uint64 ring points [N] -> intp [N] index of the first token >= point, in [0, T]."""
@@ -201,3 +213,11 @@ class Ring:
         table.setflags(write=False)
         self._succ_cache[k] = table
         return table
+
+
+def ring_memory_bytes(num_shards: int, virtual_nodes: int, successor_columns: int = 1) -> int:
+    """Closed form of :attr:`Ring.nbytes` once ``successors(successor_columns)`` is cached:
+    8 B per token (sorted) + 8 B (search copy, + sentinel) + 4 B owner per position, the
+    8 B-per-bucket table, and the int32 [T + 1, k] successor table. No per-row term."""
+    t = num_shards * virtual_nodes
+    return 8 * t + 8 * (t + 1) + 4 * (t + 1) + 8 * (1 << Ring.bucket_bits(t)) + 4 * (t + 1) * successor_columns

@@ -11,9 +11,16 @@ the owner followed by its distinct ring successors for cold replicas
   (``P = T + 1`` ring positions), built once, lazily, from the plan (≈2.5 ms for 1M ids
   here vs ≈75 ms for a ring ``searchsorted``). Memory: 2 bytes per row up to ~340
   shards at 64 virtual nodes, 4 beyond.
-* **ring arithmetic** otherwise: hash (splitmix64, salted per table) + the ring's
-  bucketed search for the position, and a 2-bit-per-row packed tier map (built once,
-  rows / 4 bytes) for the tier; ``searchsorted`` into 100k warm ids would cost ≈150 ms.
+* **ring arithmetic + compact tier sets** otherwise (``rows > dense_max_rows``,
+  configurable as ``[sharding] dense_route_max_rows``): hash (splitmix64, salted per
+  table) + the ring's bucketed search for the position, and the tier from the plan's
+  own sorted ``hot_ids`` / ``warm_ids`` (one ``searchsorted`` each). Nothing is kept per
+  row of the table: memory is the ring tables plus 8 bytes per hot or warm id, which
+  the plan holds anyway (:func:`routing_memory_bytes`; a 10**8-row table with 1 % hot
+  and 10 % warm needs ≈88 MB, where a dense map would take 200 MB and the former
+  2-bit tier map over every row 25 MB of the *whole* table, 250 MB at 10**9 rows).
+  Whole-table sweeps (:meth:`TableRouter.owned_cold_ids`) take each chunk's tier
+  members by slicing the sorted sets, not by searching.
 
 The code ``tier * P + position`` indexes per-(tier, position) tables whose rows for
 other tiers hold -1, so each destination query is one ``np.take`` with no masking.
@@ -36,7 +43,7 @@ import numpy as np
 
 from recserve.errors import InvalidArgument, NotFound
 from recserve.sharding.table_plan import TablePlan, Tier
-from recserve.sharding.ring import Ring, hash_ids, table_salt
+from recserve.sharding.ring import Ring, hash_ids, ring_memory_bytes, table_salt
 
 DENSE_MAP_MAX_ROWS = 50_000_000
 _CHUNK = 1 << 22  # ids per step when sweeping a whole table (bounds temporary memory)
@@ -80,7 +87,6 @@ class TableRouter:
         self._tier_lut = np.repeat(np.array([Tier.HOT, Tier.WARM, Tier.COLD], dtype=np.uint8), n_pos)
         self._code_dtype: Any = np.uint16 if 3 * n_pos <= (1 << 16) else np.uint32
         self._codes: np.ndarray | None = None
-        self._packed_tiers: np.ndarray | None = None
         self._lock = threading.Lock()
 
     def _tier_table(self, succ: np.ndarray, tier: Tier) -> np.ndarray:
@@ -95,8 +101,7 @@ class TableRouter:
         reports SERVING, so the first request does not pay for it."""
         if self.dense:
             self._dense_codes()
-        else:
-            self._packed()
+        # Compact mode has nothing to build: it searches the plan's sorted tier sets.
 
     # ---- validation -----------------------------------------------------------------
 
@@ -139,33 +144,45 @@ class TableRouter:
                 self._codes = built
             return self._codes
 
-    def _packed(self) -> np.ndarray:
-        """uint8 [ceil(rows / 4)]: 2 bits per id, 0 = cold, 1 = hot, 2 = warm."""
-        packed = self._packed_tiers
-        if packed is not None:
-            return packed
-        with self._lock:
-            if self._packed_tiers is None:
-                t = self.table
-                built = np.zeros((t.rows + 3) // 4, dtype=np.uint8)
-                for members, value in ((t.hot_ids, 1), (t.warm_ids, 2)):
-                    np.bitwise_or.at(built, members >> 2, (value << ((members & 3) << 1)).astype(np.uint8))
-                built.setflags(write=False)
-                self._packed_tiers = built
-            return self._packed_tiers
+    def _compact_tiers(self, ids: np.ndarray) -> np.ndarray:
+        """uint8 [N] tiers of validated ids from the sorted hot / warm sets (compact mode)."""
+        tier = np.full(ids.size, Tier.COLD, dtype=np.uint8)
+        for members, value in ((self.table.hot_ids, Tier.HOT), (self.table.warm_ids, Tier.WARM)):
+            if members.size:
+                at = np.minimum(np.searchsorted(members, ids), members.size - 1)
+                tier[np.take(members, at) == ids] = value
+        return tier
 
-    _PACKED_LUT = np.array([Tier.COLD, Tier.HOT, Tier.WARM, Tier.COLD], dtype=np.uint8)
+    def _range_tiers(self, start: int, end: int) -> np.ndarray:
+        """uint8 [end - start] tiers of the contiguous ids ``[start, end)``: the members
+        of each sorted tier set inside the range are one slice of it, so a whole-table
+        sweep costs O(rows) without a search per id."""
+        tier = np.full(end - start, Tier.COLD, dtype=np.uint8)
+        for members, value in ((self.table.hot_ids, Tier.HOT), (self.table.warm_ids, Tier.WARM)):
+            lo, hi = np.searchsorted(members, [start, end])
+            tier[members[lo:hi] - start] = value  # sweep time, once per chunk
+        return tier
 
-    def _sparse_tiers(self, ids: np.ndarray) -> np.ndarray:
-        two_bits = (np.take(self._packed(), ids >> 2) >> ((ids & 3) << 1).astype(np.uint8)) & 3
-        return np.take(self._PACKED_LUT, two_bits.astype(np.intp))
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of this router's structures as built now (see :func:`routing_memory_bytes`
+        for the closed form): the ring, the per-(tier, position) tables, and the dense
+        code map or the hot / warm id sets."""
+        out = {
+            "ring": self._ring.nbytes,
+            "position_tables": int(self._hot_tab.nbytes + self._warm_tab.nbytes + self._cold_tab.nbytes + self._tier_lut.nbytes),
+        }
+        if self.dense:
+            out["dense_codes"] = int(self._dense_codes().nbytes)
+        else:
+            out["tier_sets"] = int(self.table.hot_ids.nbytes + self.table.warm_ids.nbytes)
+        return out
 
     def _codes_of(self, ids: np.ndarray) -> np.ndarray:
         """Validated int64 ids [N] -> intp codes [N] in [0, 3P)."""
         if self.dense:
             return np.take(self._dense_codes(), ids).astype(np.intp)
         pos = self._ring.positions(hash_ids(ids, self._salt))
-        return self._sparse_tiers(ids).astype(np.intp) * self._n_pos + pos
+        return self._compact_tiers(ids).astype(np.intp) * self._n_pos + pos
 
     # ---- public routing -------------------------------------------------------------------
 
@@ -174,7 +191,7 @@ class TableRouter:
         v = self.validate_ids(ids)
         if self.dense:
             return np.take(self._tier_lut, self._codes_of(v))
-        return self._sparse_tiers(v)
+        return self._compact_tiers(v)
 
     def hot_replicas_of(self, ids: Any) -> np.ndarray:
         """int32 [N, R]: the R distinct shards holding each hot id; rows of non-hot ids are -1."""
@@ -236,6 +253,43 @@ class TableRouter:
         own = (self._cold_tab == shard_id).any(axis=1)  # cold codes only: hot/warm rows are -1
         parts = []
         for start in range(0, self.table.rows, _CHUNK):
-            ids = np.arange(start, min(start + _CHUNK, self.table.rows), dtype=np.int64)
-            parts.append(ids[np.take(own, self._codes_of(ids))])
+            end = min(start + _CHUNK, self.table.rows)
+            ids = np.arange(start, end, dtype=np.int64)
+            if self.dense:
+                codes = self._codes_of(ids)
+            else:
+                pos = self._ring.positions(hash_ids(ids, self._salt))
+                codes = self._range_tiers(start, end).astype(np.intp) * self._n_pos + pos
+            parts.append(ids[np.take(own, codes)])
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def routing_memory_bytes(
+    *,
+    rows: int,
+    hot_ids: int,
+    warm_ids: int,
+    num_shards: int,
+    virtual_nodes: int,
+    hot_replicas: int,
+    column_splits: int,
+    cold_replicas: int,
+    dense_max_rows: int = DENSE_MAP_MAX_ROWS,
+) -> dict[str, int]:
+    """Closed form of :meth:`TableRouter.memory_bytes` (+ ``"ring"`` for the plan's shared
+    ring with its cold-successor table) from sizes alone: nothing is allocated, so it
+    answers for 10**9-row tables. Keys: ``ring``, ``position_tables``, and
+    ``dense_codes`` (rows <= ``dense_max_rows``) or ``tier_sets``; ``total``."""
+    t = num_shards * virtual_nodes
+    n_pos = t + 1
+    out = {
+        "ring": ring_memory_bytes(num_shards, virtual_nodes, cold_replicas),
+        # int32 [3P, k] per tier kind + the uint8 [3P] tier lookup table.
+        "position_tables": 3 * n_pos * 4 * (hot_replicas + column_splits + cold_replicas) + 3 * n_pos,
+    }
+    if rows <= dense_max_rows:
+        out["dense_codes"] = rows * (2 if 3 * n_pos <= (1 << 16) else 4)
+    else:
+        out["tier_sets"] = 8 * (hot_ids + warm_ids)  # the plan's sorted int64 hot / warm ids
+    out["total"] = sum(out.values())
+    return out

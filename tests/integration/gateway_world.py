@@ -6,8 +6,9 @@ real process on loopback, with its Prometheus ``/metrics``), all reading one spe
 world's, with :data:`CASCADE` (small stages, a generous deadline) and ``extra`` TOML
 appended. ``extra`` sections replace the generated ones of the same name; if ``extra``
 declares any ``[[tenants]]``, those are the whole tenant list (the generated key-less
-``default`` is dropped). ``env`` reaches the gateway (tenant keys: ``[[tenants]]
-api_key_env``); ``admin_token`` reaches every process as ``RECSERVE_ADMIN_TOKEN``.
+``default`` is dropped). ``env`` reaches the gateway, the rankers, the cascade and the
+generators (tenant keys: ``[[tenants]] api_key_env``; the gRPC servers authenticate
+tenants by the same keys); ``admin_token`` reaches every process as ``RECSERVE_ADMIN_TOKEN``.
 
 Use one per test module (training the world takes a while)::
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from recserve.cluster import ShardCluster
 from recserve.cluster.cascade import CascadeCluster
 from recserve.cluster.gateway import GatewayCluster
+from recserve.cluster.generation import GenerationCluster
 from recserve.cluster.rankers import RankerCluster
 from tests.integration.ranker_world import RankerWorld, make_ranker_world, spec_text
 
@@ -59,6 +61,7 @@ class GatewayWorld:
     rankers: RankerCluster
     cascade: CascadeCluster
     gateway: GatewayCluster
+    generation: GenerationCluster | None = None  # with ``generators=N``: the spec needs a [generation] section
 
     @property
     def url(self) -> str:
@@ -91,7 +94,9 @@ class GatewayWorld:
 
     def stop(self) -> None:
         errors = []
-        for launcher in (self.gateway, self.cascade, self.rankers, self.shards):
+        for launcher in (self.gateway, self.cascade, self.generation, self.rankers, self.shards):
+            if launcher is None:
+                continue
             try:
                 launcher.stop()
             except Exception as exc:  # one failure must not leave the others running
@@ -127,36 +132,50 @@ def start_gateway_world(
     world: RankerWorld | None = None,
     fault_hook: bool = False,
     gateway_args: tuple[str, ...] = (),
+    generators: int = 0,
 ) -> GatewayWorld:
     """Start the stack under ``root`` (see the module docstring); every process SERVING
     and the gateway's ``/readyz`` 200 when it returns. ``world``: reuse a trained one;
-    ``fault_hook``: the shards accept injected faults (embedding_server.fault)."""
+    ``fault_hook``: the shards accept injected faults (embedding_server.fault);
+    ``generators``: that many generation replicas behind the gateway too."""
     world = world or make_ranker_world(root / "world")
     spec = root / "gateway-world.toml"
     spec.write_text(world_spec(world, extra))
-    started: list[ShardCluster | RankerCluster | CascadeCluster | GatewayCluster] = []
+    started: list[ShardCluster | RankerCluster | CascadeCluster | GatewayCluster | GenerationCluster] = []
+    generation: GenerationCluster | None = None
     try:
         shards = ShardCluster(world.plan_path, root / "shards", load_from=world.models, fault_hook=fault_hook, admin_token=admin_token)
         started.append(shards)
         shards.start(wait=False)  # bound, loading; the ranker waits for them by itself (torch's import overlaps)
-        rankers = RankerCluster(spec, world.models, shards.addresses, num_rankers=1, data_root=root / "rankers", admin_token=admin_token)
+        # Only the key variables, not a transport env: the launchers keep their defaults.
+        keys = dict(env or {})
+        rankers = RankerCluster(spec, world.models, shards.addresses, num_rankers=1, data_root=root / "rankers", admin_token=admin_token,
+                                env=keys or None)  # fmt: skip
         started.append(rankers)
         rankers.start(wait=False)
+        if generators:
+            generation = GenerationCluster(spec, num_replicas=generators, data_root=root / "generation", env=keys)
+            started.append(generation)
+            generation.start(wait=False)
         for k in range(shards.num_shards):
             shards.wait_serving(k)
         rankers.wait_serving(0)
-        cascade = CascadeCluster(spec, world.models, rankers.addresses, shards.addresses, data_root=root / "cascade", admin_token=admin_token)
+        cascade = CascadeCluster(spec, world.models, rankers.addresses, shards.addresses, data_root=root / "cascade", admin_token=admin_token,
+                                 env=keys or None)  # fmt: skip
         started.append(cascade)
         cascade.start()
+        for k in range(generators):
+            assert generation is not None
+            generation.wait_serving(k)
         gateway = GatewayCluster(spec, [cascade.address], rankers.addresses, data_root=root / "gateway", scrape=_stack_metrics(shards, rankers, cascade),
-                                 env=env, extra_args=gateway_args)  # fmt: skip
+                                 env=env, extra_args=gateway_args, generators=generation.addresses if generation else ())  # fmt: skip
         started.append(gateway)
         gateway.start()
     except BaseException:
         for launcher in reversed(started):
             launcher.stop()
         raise
-    return GatewayWorld(world, spec, shards, rankers, cascade, gateway)
+    return GatewayWorld(world, spec, shards, rankers, cascade, gateway, generation)
 
 
 @contextlib.contextmanager

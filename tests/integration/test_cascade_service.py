@@ -29,6 +29,7 @@ from ranker.serving import Export, load_model
 from recserve.cluster import ShardCluster
 from recserve.cluster.cascade import CascadeCluster
 from recserve.cluster.rankers import RankerCluster
+from recserve.rpc.auth import admin_metadata
 from recserve.rpc.deadline import make_header
 from recserve.rpc.tensors import pack, unpack
 from recserve.v1 import admin_pb2, ranking_pb2, recommender_pb2
@@ -68,8 +69,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     world = make_ranker_world(tmp_path_factory.mktemp("cascade"))
     spec = world.root / "cascade.toml"
     spec.write_text(spec_text(world.export.manifest, world.models, CASCADE))
-    with ShardCluster(world.plan_path, world.root / "shards", load_from=world.models) as shards:
-        with RankerCluster(spec, world.models, shards.addresses, num_rankers=2, data_root=world.root / "rankers") as rankers:
+    # One token everywhere: the cascade's AddItems sends it on to the rankers and the shards.
+    with ShardCluster(world.plan_path, world.root / "shards", load_from=world.models, admin_token=TOKEN) as shards:
+        with RankerCluster(spec, world.models, shards.addresses, num_rankers=2, data_root=world.root / "rankers", admin_token=TOKEN) as rankers:
             with CascadeCluster(spec, world.models, rankers.addresses, shards.addresses, data_root=world.root / "cascade", admin_token=TOKEN) as cascade:
                 yield Stack(world, shards, rankers, cascade)
 
@@ -175,7 +177,7 @@ def test_an_index_refresh_under_traffic_drops_no_request_and_changes_the_version
         while len(versions) < 3 and not errors:
             time.sleep(0.01)
         with grpc.insecure_channel(stack.address) as ch:
-            reply = AdminStub(ch).RefreshIndex(admin_pb2.RefreshIndexRequest(admin_token=TOKEN), timeout=60)
+            reply = AdminStub(ch).RefreshIndex(admin_pb2.RefreshIndexRequest(), timeout=60, metadata=admin_metadata(TOKEN))
         n = len(versions)
         while len(versions) < n + 3 and not errors:
             time.sleep(0.01)
@@ -196,10 +198,10 @@ def test_an_index_built_and_saved_offline_is_loaded_by_refresh(stack: Stack, tmp
     saved = json.loads((out / "manifest.json").read_text())
     assert saved["model_version"] == stack.world.export.model_version
     with grpc.insecure_channel(stack.address) as ch:
-        reply = AdminStub(ch).RefreshIndex(admin_pb2.RefreshIndexRequest(index_path=str(out), admin_token=TOKEN), timeout=60)
+        reply = AdminStub(ch).RefreshIndex(admin_pb2.RefreshIndexRequest(index_path=str(out)), timeout=60, metadata=admin_metadata(TOKEN))
         assert reply.index_version == saved["index_version"]
         with pytest.raises(grpc.RpcError) as err:  # a directory without an index: refused, the old one keeps serving
-            AdminStub(ch).RefreshIndex(admin_pb2.RefreshIndexRequest(index_path=str(tmp_path), admin_token=TOKEN), timeout=60)
+            AdminStub(ch).RefreshIndex(admin_pb2.RefreshIndexRequest(index_path=str(tmp_path)), timeout=60, metadata=admin_metadata(TOKEN))
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert recommend(stack.address, 3, k=5).index_version == saved["index_version"]
 
@@ -239,13 +241,13 @@ def test_an_added_item_is_retrievable_at_once_for_a_user_whose_history_matches_i
     assert item_rank < 300  # precondition: L0 (exact here, 400 wide) should retrieve it
     new_id = arrays.num_items
     request = admin_pb2.AddItemsRequest(item_ids=pack(np.array([new_id], np.int64)), categories=pack(np.array([favourite], np.int64)),
-                                        tag_ids=pack(tags), tag_lengths=pack(np.array([tags.size], np.int64)), admin_token=TOKEN)  # fmt: skip
+                                        tag_ids=pack(tags), tag_lengths=pack(np.array([tags.size], np.int64)))  # fmt: skip
     before = recommend(stack.address, user, k=400)  # k = L0's size: everything L0 retrieves comes back
     assert new_id not in unpack(before.item_ids, "i").tolist()
     with grpc.insecure_channel(stack.address) as ch:
-        reply = AdminStub(ch).AddItems(request, timeout=60)
+        reply = AdminStub(ch).AddItems(request, timeout=60, metadata=admin_metadata(TOKEN))
         with pytest.raises(grpc.RpcError) as again:  # the same id twice: it is not the next id any more
-            AdminStub(ch).AddItems(request, timeout=60)
+            AdminStub(ch).AddItems(request, timeout=60, metadata=admin_metadata(TOKEN))
     assert again.value.code() == grpc.StatusCode.INVALID_ARGUMENT and f"{new_id + 1}" in str(again.value.details())
     assert reply.added == 1 and reply.upserted_rows > 0 and reply.num_items == new_id + 1 and reply.index_version != before.index_version
     after = recommend(stack.address, user, k=400)

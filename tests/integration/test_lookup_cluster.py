@@ -50,7 +50,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     weights = make_weights()
     np.savez(root / "weights.npz", **weights)  # type: ignore[arg-type]
     server = ShardServerConfig(threads=1, row_cache_bytes=1 << 20)
-    with ShardCluster(root / "plan.json", root / "data", load_from=root / "weights.npz", fault_hook=True, server=server) as cluster:
+    with ShardCluster(root / "plan.json", root / "data", load_from=root / "weights.npz", fault_hook=True, server=server, insecure_admin=True) as cluster:
         yield Env(cluster, plan, freq, weights)
 
 
@@ -67,7 +67,7 @@ def small_limit_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     weights = make_weights()
     np.savez(root / "weights.npz", **weights)  # type: ignore[arg-type]
     server = ShardServerConfig(threads=1, row_cache_bytes=1 << 20, max_ids_per_rpc=SMALL_MAX_IDS)
-    with ShardCluster(root / "plan.json", root / "data", load_from=root / "weights.npz", server=server) as cluster:
+    with ShardCluster(root / "plan.json", root / "data", load_from=root / "weights.npz", server=server, insecure_admin=True) as cluster:
         yield Env(cluster, plan, freq, weights)
 
 

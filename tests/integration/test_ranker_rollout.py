@@ -25,6 +25,7 @@ from ranker.serving import load_model, open_export
 from recserve.cluster import ShardCluster
 from recserve.cluster.rankers import RankerCluster
 from recserve.config.spec import ShardingConfig
+from recserve.rpc.auth import admin_metadata
 from recserve.rpc.deadline import make_header
 from recserve.rpc.tensors import pack, unpack
 from recserve.sharding import plan_tables
@@ -70,10 +71,10 @@ def test_reload_models_switches_versions_under_traffic_without_failing_a_call(ro
         # Without the admin token: refused, nothing changes.
         with pytest.raises(grpc.RpcError) as denied:
             admin.ReloadModels(admin_pb2.ReloadModelsRequest(models_dir=str(world.other_models)), timeout=60)
-        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
         # A version the directory does not hold: refused, naming both.
         with pytest.raises(grpc.RpcError) as wrong:
-            admin.ReloadModels(admin_pb2.ReloadModelsRequest(models_dir=str(world.other_models), model_version="m-000000000000", admin_token=TOKEN), timeout=60)
+            admin.ReloadModels(admin_pb2.ReloadModelsRequest(models_dir=str(world.other_models), model_version="m-000000000000"), timeout=60, metadata=admin_metadata(TOKEN))
         assert wrong.value.code() == grpc.StatusCode.FAILED_PRECONDITION and new in str(wrong.value.details())
 
         thread = threading.Thread(target=traffic)
@@ -81,7 +82,7 @@ def test_reload_models_switches_versions_under_traffic_without_failing_a_call(ro
         try:
             while len(versions) < 5 and not errors:
                 threading.Event().wait(0.01)
-            reply = admin.ReloadModels(admin_pb2.ReloadModelsRequest(models_dir=str(world.other_models), model_version=new, admin_token=TOKEN), timeout=120)
+            reply = admin.ReloadModels(admin_pb2.ReloadModelsRequest(models_dir=str(world.other_models), model_version=new), timeout=120, metadata=admin_metadata(TOKEN))
             n_at_switch = len(versions)
             while len(versions) < n_at_switch + 5 and not errors:
                 threading.Event().wait(0.01)

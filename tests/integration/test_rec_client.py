@@ -47,6 +47,7 @@ import numpy as np
 import pytest
 
 from recserve.client import RecClient, SyncRecClient
+from recserve.rpc.auth import admin_metadata
 from recserve.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from recserve.rpc.deadline import make_header
 from recserve.rpc.tensors import pack
@@ -100,7 +101,7 @@ def seen_by(gw: GatewayWorld, user: int) -> set[int]:
 
 def test_async_client_recommends_ranks_and_reports_readiness(gw: GatewayWorld) -> None:
     async def body() -> None:
-        async with RecClient(gw.recommenders, gw.ranker_addresses) as client:
+        async with RecClient(gw.recommenders, gw.ranker_addresses, api_key=ALPHA_KEY) as client:
             ready = await client.check_ready(timeout_s=5.0)
             assert ready == {address: True for address in [*gw.recommenders, *gw.ranker_addresses]}
             rec = await client.recommend(5, 10, timeout_s=10.0, request_id="it-async-1")
@@ -132,7 +133,7 @@ def test_a_dead_recommender_is_retried_on_the_live_one(gw: GatewayWorld) -> None
     dead = dead_address()
 
     async def body() -> None:
-        async with RecClient([dead, *gw.recommenders], rng=np.random.default_rng(0)) as client:
+        async with RecClient([dead, *gw.recommenders], rng=np.random.default_rng(0), api_key=ALPHA_KEY) as client:
             for user in range(8):
                 rec = await client.recommend(user, 5, timeout_s=10.0)
                 assert rec.replica == gw.recommenders[0] and rec.item_ids.shape == (5,)
@@ -147,7 +148,7 @@ def test_a_dead_recommender_is_retried_on_the_live_one(gw: GatewayWorld) -> None
 
 
 def test_sync_client_from_plain_code(gw: GatewayWorld) -> None:
-    with SyncRecClient(gw.recommenders, gw.ranker_addresses) as client:
+    with SyncRecClient(gw.recommenders, gw.ranker_addresses, api_key=ALPHA_KEY) as client:
         assert all(client.check_ready(timeout_s=5.0).values())
         rec = client.recommend(9, 8, timeout_s=10.0, request_id="it-sync-1")
         assert rec.item_ids.shape == (8,) and len(set(rec.item_ids.tolist())) == 8 and not seen_by(gw, 9) & set(rec.item_ids.tolist())
@@ -201,7 +202,7 @@ def split(page: dict[str, Any]) -> tuple[list[int], list[str]]:
 
 def test_the_page_merges_recserve_items_with_editorial_ones(gw: GatewayWorld) -> None:
     user = 5
-    with SyncRecClient(gw.recommenders) as client:
+    with SyncRecClient(gw.recommenders, api_key=ALPHA_KEY) as client:
         expected = client.recommend(user, SIZE - len(EDITORIAL), timeout_s=30.0, exclude_ids=EDITORIAL).item_ids.tolist()
     with feed_service(gw.recommenders[0], deadline_ms=30_000) as url:
         page = get_page(url, user)
@@ -273,22 +274,22 @@ def admin_calls(gw: GatewayWorld) -> None:
     tags = np.asarray(arrays.item_tags.values)[arrays.item_tags.offsets[1] : arrays.item_tags.offsets[2]].astype(np.int64)
     new_item = admin_pb2.AddItemsRequest(
         header=make_header(timeout_s=60, request_id=ADMIN_RID), item_ids=pack(np.array([arrays.num_items], np.int64)),
-        categories=pack(np.array([0], np.int64)), tag_ids=pack(tags), tag_lengths=pack(np.array([tags.size], np.int64)), admin_token=ADMIN_TOKEN,
+        categories=pack(np.array([0], np.int64)), tag_ids=pack(tags), tag_lengths=pack(np.array([tags.size], np.int64)),
     )  # fmt: skip
     with grpc.insecure_channel(gw.cascade.address) as ch:
         cascade = admin_pb2_grpc.AdminStub(ch)
-        assert cascade.AddItems(new_item, timeout=60).added == 1
+        assert cascade.AddItems(new_item, timeout=60, metadata=admin_metadata(ADMIN_TOKEN)).added == 1
         cascade.ModelStatus(admin_pb2.ModelStatusRequest(header=make_header(timeout_s=30, request_id=ADMIN_TOKEN)), timeout=30)
         with pytest.raises(grpc.RpcError) as denied:
-            cascade.RefreshIndex(admin_pb2.RefreshIndexRequest(header=make_header(timeout_s=30), admin_token=WRONG_TOKEN), timeout=30)
+            cascade.RefreshIndex(admin_pb2.RefreshIndexRequest(header=make_header(timeout_s=30)), timeout=30, metadata=admin_metadata(WRONG_TOKEN))
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with grpc.insecure_channel(gw.ranker_addresses[0]) as ch:
         with pytest.raises(grpc.RpcError) as denied:
-            admin_pb2_grpc.AdminStub(ch).ReloadModels(admin_pb2.ReloadModelsRequest(header=make_header(timeout_s=30), admin_token=WRONG_TOKEN), timeout=30)
+            admin_pb2_grpc.AdminStub(ch).ReloadModels(admin_pb2.ReloadModelsRequest(header=make_header(timeout_s=30)), timeout=30, metadata=admin_metadata(WRONG_TOKEN))
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
     with grpc.insecure_channel(gw.shard_addresses[0]) as ch:
         with pytest.raises(grpc.RpcError) as denied:
-            embedding_pb2_grpc.EmbeddingShardStub(ch).Upsert(embedding_pb2.UpsertRequest(header=make_header(timeout_s=30), admin_token=WRONG_TOKEN), timeout=30)
+            embedding_pb2_grpc.EmbeddingShardStub(ch).Upsert(embedding_pb2.UpsertRequest(header=make_header(timeout_s=30)), timeout=30, metadata=admin_metadata(WRONG_TOKEN))
         assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
 
 

@@ -88,7 +88,7 @@ def test_migrate_to_one_more_shard_keeps_every_upsert(tmp_path: Path) -> None:
     rows = {t: rng.standard_normal((len(v), weights[t].shape[1])).astype(np.float32) + 20 for t, v in ids.items()}
     args = ["--from-plan", str(tmp_path / "plan-v1.json"), "--to-plan", str(tmp_path / "plan-v2.json"), "--from-data", str(tmp_path / "old"), "--to-data", str(tmp_path / "new"), "--json"]
 
-    with ShardCluster(tmp_path / "plan-v1.json", tmp_path / "old", load_from=tmp_path / "weights.npz", server=SERVER) as cluster:
+    with ShardCluster(tmp_path / "plan-v1.json", tmp_path / "old", load_from=tmp_path / "weights.npz", server=SERVER, insecure_admin=True) as cluster:
 
         async def upsert_all() -> None:
             async with LookupClient.connect(make_config(), old, cluster.addresses) as client:

@@ -14,6 +14,7 @@ import pytest
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from recserve.cluster import ShardCluster
+from recserve.rpc.auth import admin_metadata
 from recserve.rpc.tensors import pack, unpack
 from recserve.sharding.plan import ShardingPlan
 from recserve.sharding.upsert import split_upsert
@@ -35,10 +36,10 @@ def lookup(stub: Stub, table: str, ids: np.ndarray, cols: tuple[int, int] = (0, 
 def upsert_everywhere(stubs: list[Stub], plan: ShardingPlan, table: str, ids: np.ndarray, rows: np.ndarray) -> None:
     """Route an upsert to every owner (recserve.sharding.upsert) and require every ack."""
     for shard, parts in split_upsert(plan, table, ids, rows).items():
-        req = embedding_pb2.UpsertRequest(admin_token=ADMIN_TOKEN)
+        req = embedding_pb2.UpsertRequest()
         for part_ids, part_rows, cs, ce in parts:
             req.tables.add(table=table, ids=pack(part_ids), rows=pack(part_rows), col_start=cs, col_end=ce)
-        reply = stubs[shard].Upsert(req, timeout=10)
+        reply = stubs[shard].Upsert(req, timeout=10, metadata=admin_metadata(ADMIN_TOKEN))
         assert reply.rows_written == sum(len(p[0]) for p in parts) and reply.plan_version == plan.version
 
 
@@ -163,14 +164,15 @@ def test_bad_inputs_get_clear_statuses_and_the_server_keeps_serving(shard_world:
         rows, found, _ = lookup(stub, "item", good_ids)  # and the next good request is answered
         assert found.all() and np.array_equal(rows, src[good_ids])
     upserts = [
-        (embedding_pb2.UpsertRequest(admin_token="wrong"), grpc.StatusCode.PERMISSION_DENIED, "admin token"),
-        (embedding_pb2.UpsertRequest(admin_token=ADMIN_TOKEN), grpc.StatusCode.FAILED_PRECONDITION, "does not own ids"),
+        (admin_metadata("wrong"), grpc.StatusCode.PERMISSION_DENIED, "admin token"),
+        (admin_metadata(ADMIN_TOKEN), grpc.StatusCode.FAILED_PRECONDITION, "does not own ids"),
     ]
     foreign = np.setdiff1d(shard_world.plan.assignment(0, "item").cold_ids, shard_world.plan.assignment(1, "item").cold_ids)[:2]
-    for up, code, text in upserts:
+    for metadata, code, text in upserts:
+        up = embedding_pb2.UpsertRequest()
         up.tables.add(table="item", ids=pack(foreign), rows=pack(np.zeros((2, 32), np.float32)))
         with pytest.raises(grpc.RpcError) as err:
-            stub.Upsert(up, timeout=10)
+            stub.Upsert(up, timeout=10, metadata=metadata)
         assert err.value.code() == code and text in str(err.value.details())
         assert lookup(stub, "item", good_ids)[1].all()
     assert f"{int(foreign[0]):,}" in str(err.value.details())  # the rejection names the ids

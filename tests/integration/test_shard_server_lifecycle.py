@@ -18,6 +18,7 @@ from embedding_server.bulk_load import read_manifest
 from embedding_server.layout import layouts_from_plan
 from embedding_server.store import RowStore
 from recserve.cluster import ShardCluster
+from recserve.rpc.auth import admin_metadata
 from recserve.cluster.shards import REPO_ROOT
 from recserve.rpc.tensors import pack, unpack
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
@@ -137,9 +138,9 @@ def test_replan_restart_with_load_from_refuses_to_overwrite_upserts(shard_world:
     new = np.full((2, 32), 6.5, np.float32)
     with one_shard(shard_world.plan_path) as cluster:  # plan v1, loaded from the source
         with channel(cluster.address(0)) as ch:
-            req = embedding_pb2.UpsertRequest(admin_token=ADMIN_TOKEN)
+            req = embedding_pb2.UpsertRequest()
             req.tables.add(table="item", ids=pack(ids), rows=pack(new))
-            assert embedding_pb2_grpc.EmbeddingShardStub(ch).Upsert(req, timeout=10).rows_written == 2  # acknowledged
+            assert embedding_pb2_grpc.EmbeddingShardStub(ch).Upsert(req, timeout=10, metadata=admin_metadata(ADMIN_TOKEN)).rows_written == 2  # acknowledged
     # A re-plan (same layout, version 2) restarted with --load-from: a new load key.
     p = shard_world.plan
     v2 = tmp_path / "plan-v2.json"

@@ -258,5 +258,5 @@ def test_repeated_cold_ids_are_served_and_cached_once(core: ShardCore) -> None:
         assert np.array_equal(rows[found], SRC[ids[found]]) and not rows[~found].any()
         assert cache.size == 2
     assert (cache.hits, cache.misses) == (5, 7 + 2)
-    rows, _ = cache.get(np.array([a, b]))
+    rows, _ = cache.get(table.residence(np.array([a, b]))[1])  # keyed by cold ordinal
     assert np.array_equal(rows, SRC[[a, b]])

@@ -51,7 +51,7 @@ CORE = (
     "recserve.v1",
 )
 SERVERS = ("embedding_server", "ranker", "cascade", "generation")
-ROOT = ("recserve.cluster", "recserve.cli", "recserve.gateway", "recserve.bench", "recserve.loadtest", "recserve.__main__")
+ROOT = ("recserve.cluster", "recserve.cli", "recserve.gateway", "recserve.bench", "recserve.loadtest", "recserve.deploy", "recserve.__main__")
 TOP_LEVEL = ("recserve",) + SERVERS  # always scanned when present
 NOT_PRODUCT = ("tests",)  # top-level packages that are not product code (protos/, docs/ have no __init__.py)
 

@@ -58,6 +58,7 @@ class FakeShards:
         self.gates: dict[int, asyncio.Event] = {}
         self.calls: list[Recorded] = []
         self.upserts: list[tuple[int, embedding_pb2.UpsertRequest]] = []
+        self.upsert_metadata: list[tuple[tuple[str, str], ...]] = []  # each upsert's call metadata (the admin token)
         self.plan_gets = 0
         self.closed = False
         self.max_ids: int | None = None
@@ -162,8 +163,10 @@ class FakeShards:
             out.append(tr)
         return embedding_pb2.LookupResponse(plan_version=self.plan.version, tables=out)
 
-    async def upsert(self, shard: int, request: embedding_pb2.UpsertRequest, timeout_s: float) -> embedding_pb2.UpsertResponse:
+    async def upsert(self, shard: int, request: embedding_pb2.UpsertRequest, timeout_s: float,
+                     metadata: Sequence[tuple[str, str]] = ()) -> embedding_pb2.UpsertResponse:  # fmt: skip
         self.upserts.append((shard, request))
+        self.upsert_metadata.append(tuple(metadata))
         self._check(shard)
         written = 0
         for t in request.tables:

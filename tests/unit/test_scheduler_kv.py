@@ -194,7 +194,8 @@ def test_blocks_are_conserved_through_every_exit_under_random_traffic(seed: int)
     failed steps and deadline drops; block conservation after every step; every finished
     sequence equals its oracle."""
     rng = random.Random(seed)
-    h = Harness(total_blocks=8)  # 32 tokens
+    # No shedding at add: the backlog must reach the queue so that deadlines pass there.
+    h = Harness(total_blocks=8, admission=AdmissionConfig(shed_by_slack=False))  # 32 tokens
     lengths: dict[str, int] = {}
     for i in range(300):
         if rng.random() < 0.7:  # more than the pool can serve: a backlog, so deadlines pass

@@ -431,7 +431,11 @@ class RetrievalIndex:
         """
         root = Path(directory)
         manifest_path = root / MANIFEST
-        if not manifest_path.is_file():
+        try:
+            present = manifest_path.is_file()
+        except OSError as exc:  # a name no filesystem holds (ENAMETOOLONG): Admin.RefreshIndex passes the caller's index_path here
+            raise InvalidArgument(f"index_path {str(root)[:80]!r}{'...' if len(str(root)) > 80 else ''} ({len(str(root)):,} characters) is not a usable path: {exc.strerror}") from exc
+        if not present:
             raise FailedPrecondition(f"index dir {str(root)!r} has no {MANIFEST}: not a saved index (or its save did not finish)")
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("format") != FORMAT:

@@ -28,6 +28,7 @@ import argparse
 import asyncio
 import dataclasses
 import logging
+import os
 import signal
 import sys
 import time
@@ -59,6 +60,7 @@ class FeedConfig:
     editorial: np.ndarray  # int64 [E], pinned items in order
     popular: np.ndarray  # int64 [P], the fallback ranking, best first
     size: int  # items per page
+    api_key: str = dataclasses.field(default="", repr=False)  # the tenant's key, sent as x-api-key metadata ("" = the key-less tenant)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,7 +139,7 @@ def make_app(config: FeedConfig) -> web.Application:
 
     async def client_ctx(app: web.Application) -> AsyncIterator[None]:
         # The client's channels belong to this loop: open them here, close them at exit.
-        async with RecClient(config.recommenders) as client:
+        async with RecClient(config.recommenders, api_key=config.api_key) as client:
             app[CLIENT_KEY] = client
             yield
 
@@ -185,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--editorial", default=DEFAULT_EDITORIAL, help="pinned item ids, in order")
     parser.add_argument("--popular", default=DEFAULT_POPULAR, help="the fallback ranking: item ids, best first")
     parser.add_argument("--size", type=int, default=20, help="items per page")
+    parser.add_argument("--api-key-env", default="", help="read this tenant's API key from this environment variable (not a flag: flags show in ps)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not args.deadline_ms > 0:
@@ -192,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     config = FeedConfig(
         recommenders=tuple(a for a in args.recommender.split(",") if a), deadline_s=args.deadline_ms / 1e3,
         editorial=_ids(args.editorial, "--editorial"), popular=_ids(args.popular, "--popular"), size=args.size,
+        api_key=os.environ.get(args.api_key_env, "") if args.api_key_env else "",
     )  # fmt: skip
     asyncio.run(serve(config, args.host, args.port, args.port_file))
     return 0

@@ -49,7 +49,11 @@ class Export:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+    try:
+        present = path.is_file()
+    except OSError as exc:  # a name no filesystem holds (ENAMETOOLONG): Admin.ReloadModels passes the caller's models_dir here
+        raise InvalidArgument(f"models_dir {str(path.parent)[:80]!r}{'...' if len(str(path.parent)) > 80 else ''} ({len(str(path.parent)):,} characters) is not a usable path: {exc.strerror}") from exc
+    if not present:
         raise NotFound(f"{path} is missing; export the models with `recserve train --catalog DIR --out {path.parent}`")
     try:
         body: dict[str, Any] = json.loads(path.read_text())

@@ -64,6 +64,9 @@ def _serve(args: argparse.Namespace) -> int:
         insecure_admin=args.insecure_admin, index_dir=args.index,
         metrics_port=cluster.cascade.metrics_port if args.metrics_port is None else args.metrics_port, metrics_port_file=args.metrics_port_file,
     )  # fmt: skip
+    from recserve.logs import register_secret
+
+    register_secret(config.admin_token)  # [admin] token_env may name any variable: masked in logs
     asyncio.run(serve(config))
     return 0
 

@@ -28,6 +28,8 @@ def add_parser(subparsers: Any) -> None:
     render.add_argument("--models-claim", default="recserve-models", help="PersistentVolumeClaim holding the `recserve train --out` export (default recserve-models)")
     render.add_argument("--secret", default="recserve-secrets", help="Secret with the admin-token key and one key per tenant api_key_env (default recserve-secrets)")
     render.add_argument("--storage-class", default="", help="StorageClass of the shards' volumes (default: the cluster's)")
+    render.add_argument("--no-initial-load", action="store_true",
+                        help="no bulk-load init container: the shards' volumes already hold the rows (after `recserve shard migrate`)")
     render.set_defaults(func=_render)
     parser.set_defaults(func=lambda args: parser.print_help() or 2)
 
@@ -41,7 +43,7 @@ def _render(args: argparse.Namespace) -> int:
     if not args.plan.is_file():
         raise ConfigError(f"--plan = {str(args.plan)!r} is invalid: no such file; write one with `recserve shard plan --config SPEC --out PLAN`")
     options = DeployOptions(namespace=args.namespace, name=args.name, image=args.image, models_claim=args.models_claim,
-                            secret_name=args.secret, storage_class=args.storage_class)  # fmt: skip
+                            secret_name=args.secret, storage_class=args.storage_class, initial_load=not args.no_initial_load)  # fmt: skip
     rendered, files = render_to_dir(load(args.config), args.plan, args.out, options)
     mem = rendered.memory
     print(f"recserve deploy: {len(rendered.objects)} objects for Kubernetes >= 1.28 (validated against {KUBERNETES_VERSION}) in namespace {args.namespace}:")

@@ -71,6 +71,9 @@ def _serve(args: argparse.Namespace) -> int:
         admin_token=os.environ.get(cluster.admin.token_env, ""), insecure_admin=args.insecure_admin,
         metrics_port=cluster.ranker.metrics_port if args.metrics_port is None else args.metrics_port, metrics_port_file=args.metrics_port_file,
     )  # fmt: skip
+    from recserve.logs import register_secret
+
+    register_secret(config.admin_token)  # [admin] token_env may name any variable: masked in logs
     if not (args.with_generation or cluster.generation.co_locate):
         asyncio.run(serve(config))
         return 0

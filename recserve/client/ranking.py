@@ -105,9 +105,14 @@ class RankingClient:
             max_message_bytes=max_message_bytes, stub_factory=stub_factory, tls=tls, api_key=api_key,
         )  # fmt: skip
         self.router = self._calls.router
-        self.addresses = self._calls.addresses
         self.stats: RankingClientStats = self._calls.stats
         self.clock = clock  # public: callers put their deadlines on this timeline
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """The ranker replicas now: a name among the addresses stands for the pods it
+        resolves to, re-resolved every ``[routing] dns_refresh_ms`` (:mod:`recserve.routing.resolve`)."""
+        return self._calls.addresses
 
     # ---- lifecycle ----------------------------------------------------------------
 

@@ -120,12 +120,17 @@ class RecClient:
             clock=clock, max_message_bytes=max_message_bytes, stub_factory=stub_factory, tls=tls, api_key=api_key,
         )  # fmt: skip
         self.router = self._calls.router
-        self.recommenders = self._calls.addresses
         self.stats: CallStats = self._calls.stats  # Recommend calls; rank's are self.ranking.stats
         self.clock = clock  # public: callers put their deadlines on this timeline
         self.ranking: RankingClient | None = None
         if rankers:
             self.ranking = RankingClient(rankers, config, rng=rng, clock=clock, max_message_bytes=max_message_bytes, stub_factory=ranking_stub_factory, tls=tls, api_key=api_key)
+
+    @property
+    def recommenders(self) -> tuple[str, ...]:
+        """The recommender replicas now: a name among the addresses stands for the pods it
+        resolves to, re-resolved every ``[routing] dns_refresh_ms`` (:mod:`recserve.routing.resolve`)."""
+        return self._calls.addresses
 
     # ---- lifecycle ----------------------------------------------------------------
 

@@ -160,7 +160,8 @@ class RoutedCalls:
             the host's DNS under ``RECSERVE_RESOLVE`` overrides). With fake stubs and no
             resolver, nothing is looked up.
         resolve: False keeps the addresses as given (gRPC resolves a name itself, to one
-            channel): for a client that indexes per-replica state of its own.
+            channel): for a client that indexes per-replica state of its own. Names are
+            also kept under ``tls`` (the servers' certificates name them, not pod IPs).
 
     An address that is a name (a Kubernetes headless Service) stands for every address it
     resolves to: :meth:`start` resolves it and the calls re-resolve it every ``[routing]
@@ -193,10 +194,12 @@ class RoutedCalls:
         self.router = Router(addresses, config, weights=weights, rng=rng)
         # Names among the addresses (a headless Service) are re-resolved, one replica per
         # answer (recserve.routing.resolve). Fake stubs without a fake resolver: no lookups.
-        dynamic = resolve and (resolver is not None or stub_factory is None)
+        # Under TLS the name stays: a certificate names the host, not the pods' IPs.
+        dynamic = resolve and (resolver is not None or stub_factory is None) and not (tls is not None and tls.enabled)
         membership = Membership(self.router.replicas, resolver, refresh_s=config.dns_refresh_ms / 1e3, now=clock()) if dynamic else None
         self.membership = membership if membership is not None and membership.dynamic else None
         self._refreshing: asyncio.Task[None] | None = None
+        self._closing: set[asyncio.Task[None]] = set()  # channels of removed replicas, draining
         self._tls = tls
         self._own_metadata: tuple[tuple[str, str], ...] = ((DEFAULT_API_KEY_METADATA, api_key),) if api_key else ()
         self.addresses = self.router.replicas
@@ -244,17 +247,24 @@ class RoutedCalls:
         changed. Called at start and, every ``[routing] dns_refresh_ms``, by the calls."""
         if self.membership is None:
             return False
-        change = await asyncio.to_thread(self.membership.refresh, self.clock())
-        if change is None or not self._stubs:
+        await asyncio.to_thread(self.membership.refresh, self.clock())
+        # Apply the membership's current answer (not just this refresh's change: one that
+        # completed while the client was closed must still reach the router).
+        want = self.membership.replicas
+        if not self._stubs or want == self.router.replicas:
             return False
-        self._open(change.added)
-        self.router.set_replicas(change.replicas)
+        keep = set(want)
+        removed = [a for a in self.router.replicas if a not in keep]
+        self._open(want)
+        self.router.set_replicas(want)
         self.addresses = self.router.replicas
-        closing = [self._channels.pop(a) for a in change.removed if a in self._channels]
-        for address in change.removed:
+        closing = [self._channels.pop(a) for a in removed if a in self._channels]
+        for address in removed:
             self._stubs.pop(address, None)
         for channel in closing:  # in-flight calls on them finish within the grace, then are cancelled
-            asyncio.get_running_loop().create_task(channel.close(DRAIN_GRACE_S))
+            task = asyncio.get_running_loop().create_task(channel.close(DRAIN_GRACE_S))
+            self._closing.add(task)  # held: the loop keeps only a weak reference to a task
+            task.add_done_callback(self._closing.discard)
         return True
 
     def _maybe_refresh(self) -> None:

@@ -27,7 +27,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from recserve.cluster.group import ADMIN_TOKEN_ENV, ProcessGroup, launch_env
+from recserve.cluster.group import ADMIN_TOKEN_ENV, ProcessGroup, health_watch, launch_env
+from recserve.config.spec import TlsConfig
 from recserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class CascadeCluster:
         start_timeout_s: float = 120.0,
         metrics_port: int = 0,
         python: str = sys.executable,
+        tls: TlsConfig | None = None,  # the spec's [tls]: health is watched over TLS
     ) -> None:
         _check_addresses("ranker_addresses", ranker_addresses)
         _check_addresses("shard_addresses", shard_addresses)
@@ -97,7 +99,7 @@ class CascadeCluster:
         self.python = python
         self._group = ProcessGroup(
             "cascade", self.data_root, 1, command=self._command, env=self._env, start_timeout_s=start_timeout_s,
-            health_service=RECOMMENDER_HEALTH_SERVICE, host=host, ports=(port,), metrics_port=metrics_port,
+            health_service=RECOMMENDER_HEALTH_SERVICE, host=host, ports=(port,), metrics_port=metrics_port, health=health_watch(tls),
         )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------

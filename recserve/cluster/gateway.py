@@ -26,6 +26,7 @@ from pathlib import Path
 from types import TracebackType
 
 from recserve.cluster.group import Health, ProcessGroup, launch_env
+from recserve.config.spec import TlsConfig
 from recserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -34,14 +35,19 @@ READY_POLL_S = 0.05  # /readyz is re-asked this often while a downstream is not 
 GATEWAY_THREADS = 1
 
 
-def watch_ready(address: str, service: str, timeout_s: float) -> Health:
+def watch_ready(address: str, service: str, timeout_s: float, tls: TlsConfig | None = None) -> Health:
     """:data:`~recserve.cluster.group.HealthWatch` over HTTP: ``GET /readyz`` at
     ``address`` until it answers 200 (SERVING) or ``timeout_s`` passes (NOT_SERVING);
-    UNREACHABLE while nothing listens. ``service`` is unused (one readiness)."""
+    UNREACHABLE while nothing listens. ``service`` is unused (one readiness). ``tls``:
+    HTTPS, verifying the gateway against ``ca_file``."""
     host, _, port = address.rpartition(":")
     end = time.monotonic() + timeout_s
     while True:
         conn = http.client.HTTPConnection(host, int(port), timeout=max(0.1, min(2.0, timeout_s)))
+        if tls is not None and tls.enabled:
+            from recserve.rpc.auth import client_ssl_context
+
+            conn = http.client.HTTPSConnection(host, int(port), timeout=max(0.1, min(2.0, timeout_s)), context=client_ssl_context(tls))
         try:
             conn.request("GET", "/readyz")
             status = conn.getresponse().status
@@ -87,6 +93,7 @@ class GatewayCluster:
         extra_args: Sequence[str] = (),
         start_timeout_s: float = 60.0,
         python: str = sys.executable,
+        tls: TlsConfig | None = None,  # the spec's [tls]: readiness is checked over HTTPS
     ) -> None:
         _check_addresses("recommenders", recommenders)
         _check_addresses("rankers", rankers, allow_empty=True)
@@ -108,7 +115,7 @@ class GatewayCluster:
         self.python = python
         self._group = ProcessGroup(
             "gateway", self.data_root, 1, command=self._command, env=self._env, start_timeout_s=start_timeout_s, host=host, ports=(port,),
-            health=watch_ready,
+            health=watch_ready if tls is None or not tls.enabled else lambda a, s, t: watch_ready(a, s, t, tls),
         )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------

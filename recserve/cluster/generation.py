@@ -24,7 +24,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from recserve.cluster.group import ProcessGroup, launch_env
+from recserve.cluster.group import ProcessGroup, health_watch, launch_env
+from recserve.config.spec import TlsConfig
 from recserve.errors import ConfigError
 
 # Named here rather than imported from generation.server, which would load torch into the launcher.
@@ -56,6 +57,7 @@ class GenerationCluster:
         ports: Sequence[int] = (),
         metrics_port: int = 0,
         python: str = sys.executable,
+        tls: TlsConfig | None = None,  # the spec's [tls]: health is watched over TLS
     ) -> None:
         if num_replicas < 1:
             raise ConfigError(f"num_replicas = {num_replicas} is invalid: start at least one generation replica")
@@ -71,6 +73,7 @@ class GenerationCluster:
         self._group = ProcessGroup(
             "generation", self.data_root, num_replicas, command=self._command, env=self._env,
             start_timeout_s=start_timeout_s, health_service=GENERATION_HEALTH_SERVICE, host=host, ports=ports, metrics_port=metrics_port,
+            health=health_watch(tls),
         )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Protocol
 
 from recserve.cluster.process import STOP_GRACE_S, spawn_child
-from recserve.config.spec import NO_METRICS_PORT, require_metrics_port
+from recserve.config.spec import NO_METRICS_PORT, TlsConfig, require_metrics_port
 from recserve.errors import ConfigError, Unavailable
 
 log = logging.getLogger(__name__)
@@ -83,14 +83,21 @@ HealthWatch = Callable[[str, str, float], Health]
 CommandFn = Callable[[int, int, Path], list[str]]
 
 
-def watch_health(address: str, service: str, timeout_s: float) -> Health:
+def watch_health(address: str, service: str, timeout_s: float, tls: TlsConfig | None = None) -> Health:
     """Follow ``address``'s gRPC health ``Watch`` for ``service`` for at most ``timeout_s``;
     SERVING as soon as it is reported (no polling interval). Other RPC errors than
-    UNAVAILABLE / DEADLINE_EXCEEDED are raised: a server without health is a bug."""
+    UNAVAILABLE / DEADLINE_EXCEEDED are raised: a server without health is a bug.
+    ``tls``: the server listens with TLS (``[tls]``)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    if tls is not None and tls.enabled:
+        from recserve.rpc.auth import channel_credentials
+
+        opened = grpc.secure_channel(address, channel_credentials(tls))
+    else:
+        opened = grpc.insecure_channel(address)
+    with opened as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             for reply in stub.Watch(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s):
@@ -102,6 +109,14 @@ def watch_health(address: str, service: str, timeout_s: float) -> Health:
             if exc.code() is not grpc.StatusCode.DEADLINE_EXCEEDED:
                 raise
     return Health.NOT_SERVING
+
+
+def health_watch(tls: TlsConfig | None) -> HealthWatch:
+    """:func:`watch_health` over TLS when ``tls`` is enabled (a launcher of servers that
+    read a spec with ``[tls]``), else plaintext."""
+    if tls is None or not tls.enabled:
+        return watch_health
+    return lambda address, service, timeout_s: watch_health(address, service, timeout_s, tls)
 
 
 def launch_env(extra: Mapping[str, str], *, owns_transport: bool, threads: int, admin_token: str = "", token_env: str = ADMIN_TOKEN_ENV) -> dict[str, str]:

@@ -28,7 +28,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from recserve.cluster.group import ADMIN_TOKEN_ENV, ProcessGroup, launch_env
+from recserve.cluster.group import ADMIN_TOKEN_ENV, ProcessGroup, health_watch, launch_env
+from recserve.config.spec import TlsConfig
 from recserve.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class RankerCluster:
         ports: Sequence[int] = (),
         metrics_port: int = 0,
         python: str = sys.executable,
+        tls: TlsConfig | None = None,  # the spec's [tls]: health is watched over TLS
     ) -> None:
         if num_rankers < 1:
             raise ConfigError(f"num_rankers = {num_rankers} is invalid: start at least one ranker")
@@ -93,6 +95,7 @@ class RankerCluster:
         self._group = ProcessGroup(
             "ranker", self.data_root, num_rankers, command=self._command, env=self._env,
             start_timeout_s=start_timeout_s, health_service=RANKING_HEALTH_SERVICE, host=host, ports=ports, metrics_port=metrics_port,
+            health=health_watch(tls),
         )  # fmt: skip
 
     # -- lifecycle -----------------------------------------------------------------

@@ -160,7 +160,7 @@ class ServingStack:
             self.rankers = RankerCluster(
                 self.spec_path, self.models_dir, shard_addresses, num_rankers=topo.rankers, data_root=self.data_root / "rankers",
                 env=self._client_env, admin_token=self.admin_token, insecure_admin=self.insecure_admin, token_env=self.cluster.admin.token_env,
-                start_timeout_s=self._start_timeout_s, host=topo.host,
+                tls=self.cluster.tls, start_timeout_s=self._start_timeout_s, host=topo.host,
                 ports=topo.ports("ranker_ports", topo.rankers), metrics_port=self.cluster.ranker.metrics_port, python=self._python,
             )  # fmt: skip
             self.rankers.start(wait=False)
@@ -168,7 +168,7 @@ class ServingStack:
                 self.generation = GenerationCluster(
                     self.spec_path, num_replicas=topo.generators, data_root=self.data_root / "generation",
                     start_timeout_s=self._start_timeout_s, host=topo.host, ports=topo.ports("generator_ports", topo.generators),
-                    metrics_port=self.cluster.generation.metrics_port, python=self._python,
+                    metrics_port=self.cluster.generation.metrics_port, python=self._python, tls=self.cluster.tls,
                 )  # fmt: skip
                 self.generation.start(wait=False)
             for k in range(self.shards.num_shards):
@@ -181,7 +181,7 @@ class ServingStack:
                 self.cascade = CascadeCluster(
                     self.spec_path, self.models_dir, self.rankers.addresses, shard_addresses, data_root=self.data_root / "cascade",
                     host=topo.host, port=topo.cascade_port, env=self._client_env, admin_token=self.admin_token,
-                    insecure_admin=self.insecure_admin, token_env=self.cluster.admin.token_env,
+                    insecure_admin=self.insecure_admin, token_env=self.cluster.admin.token_env, tls=self.cluster.tls,
                     start_timeout_s=self._start_timeout_s, metrics_port=self.cluster.cascade.metrics_port, python=self._python,
                 )  # fmt: skip
                 self.cascade.start()
@@ -198,7 +198,7 @@ class ServingStack:
                 self.gateway = GatewayCluster(
                     self.spec_path, [self.cascade.address], self.rankers.addresses, generators=generators, data_root=self.data_root / "gateway",
                     scrape=self.metrics_urls(), host=gw.host, port=gw.port, start_timeout_s=self._start_timeout_s, python=self._python,
-                    env={SUPERVISOR_STATE_ENV: str(self.supervisor_state_file)},
+                    env={SUPERVISOR_STATE_ENV: str(self.supervisor_state_file)}, tls=self.cluster.tls,
                 )  # fmt: skip
                 self.gateway.start()
                 self._report("gateway", "gateway", 0, self.gateway.address, self.gateway.pid, self.gateway.log_path)

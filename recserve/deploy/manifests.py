@@ -76,6 +76,9 @@ class DeployOptions:
     * ``ranker_max_replicas`` / ``gateway_max_replicas``: HPA ceilings (0 = 4x the floor).
     * ``ranker_memory_bytes`` / ``gateway_memory_bytes``: those pods' memory request
       (the planner sizes shards only; a ranker holds its dense models and torch).
+    * ``initial_load``: the shards' init container bulk-loads the export (False: the
+      volumes already hold the rows, e.g. written by ``recserve shard migrate`` after a
+      re-plan, which a load of the export would overwrite).
     """
 
     namespace: str = "recserve"
@@ -89,6 +92,7 @@ class DeployOptions:
     gateway_max_replicas: int = 0
     ranker_memory_bytes: int = 2 << 30
     gateway_memory_bytes: int = 512 << 20
+    initial_load: bool = True
 
     def __post_init__(self) -> None:
         for key in ("namespace", "name", "models_claim", "secret_name"):
@@ -287,7 +291,7 @@ class _Builder:
                 "template": {
                     "metadata": {"labels": self.labels(kind), "annotations": self.scrape(PORTS["metrics"])},
                     "spec": {"securityContext": self.security(), "terminationGracePeriodSeconds": 30,
-                             "initContainers": [load], "containers": [serve], "volumes": self.volumes()},
+                             "initContainers": [load] if self.o.initial_load else [], "containers": [serve], "volumes": self.volumes()},
                 },
                 "volumeClaimTemplates": [{"metadata": {"name": "data", "labels": self.labels(kind)}, "spec": claim}],
                 "persistentVolumeClaimRetentionPolicy": {"whenDeleted": "Retain", "whenScaled": "Retain"},

@@ -12,8 +12,9 @@ stay).
 
 Rules, each a decision:
 
-* an IP literal (``10.0.0.7:7200``, ``[::1]:7200``) or a ``unix:`` socket is its own one
-  replica, never looked up: everything a launcher on one host passes stays as it was;
+* an IP literal (``10.0.0.7:7200``, ``[::1]:7200``) or a gRPC target URI (``unix:PATH``,
+  ``dns:///name:port``) is its own one replica, never looked up: everything a launcher
+  on one host passes stays as it was;
 * a name's answers are reduced to one address family (IPv4 when there is any, else
   IPv6): a dual-stack pod has an A and an AAAA record, and both would count it twice;
 * a failed or empty answer keeps the replicas the name had (a DNS blip must not empty a
@@ -67,9 +68,13 @@ def split_target(target: str) -> tuple[str, str]:
     return host.removeprefix("[").removesuffix("]"), port
 
 
+GRPC_SCHEMES = ("unix:", "unix-abstract:", "ipv4:", "ipv6:", "dns:", "vsock:")  # target URIs gRPC resolves itself
+
+
 def is_literal(target: str) -> bool:
-    """Whether ``target`` needs no lookup: a ``unix:`` socket or an IP address with a port."""
-    if target.startswith("unix:"):
+    """Whether ``target`` needs no lookup: an IP address with a port, or a gRPC target URI
+    (``unix:PATH``, ``dns:///name``: gRPC's own resolver is asked for)."""
+    if target.startswith(GRPC_SCHEMES):
         return True
     host, _ = split_target(target)
     try:

@@ -49,6 +49,7 @@ import grpc
 
 from recserve.config.spec import AdminConfig, ClusterConfig, TenantConfig, TlsConfig
 from recserve.errors import ConfigError, InvalidArgument, PermissionDenied, Unauthenticated
+from recserve.logs import register_secret
 
 AUTHORIZATION = "authorization"  # gRPC metadata keys are lower case
 BEARER = "bearer "
@@ -164,6 +165,8 @@ class TenantAuth:
     @classmethod
     def from_cluster(cls, cluster: ClusterConfig, environ: Mapping[str, str]) -> TenantAuth:
         keys = {t.name: environ.get(t.api_key_env, "") for t in cluster.tenants if t.api_key_env}
+        # Their variables may have any name: mask the values in every log line (as the gateway does).
+        register_secret(*(k for k in keys.values() if k))
         return cls(cluster.tenants, keys, metadata_key=cluster.gateway.api_key_header.lower())
 
     def _tenant_of(self, key: str) -> str | None:

@@ -21,11 +21,15 @@ so per shard and window the expected (slice-)rows served are
 ``(U_hot + C * U_warm + U_cold) / S`` with ``U_tier = Σ q_r`` over the tier. Imbalance
 comes from which shards the popular ids hash to: shard ``s``'s expected load is a sum
 of independent placements (cold: weight ``q`` with probability ``1/S``; warm: ``q``
-with ``C/S``; hot: ``q/R`` with ``R/S``), whose variance is closed-form; the expected
-max over ``S`` shards with a fixed total is ``mean + σ · e_S · sqrt(S / (S - 1))``
-(``e_S`` = expected max of ``S`` standard normals). A shard gets an RPC in a window
-unless none of the window's ids goes to it: ``1 - Π_r (1 - q_r f_r)``, with ``f_r`` the
-chance rank ``r``'s (one) request lands there (``1/S`` hot and cold, ``C/S`` warm).
+with ``C/S``; hot: ``q/R`` with ``R/S``; the probabilities are the balanced ring's
+actual shares), whose variance is closed-form. The loads sum to a constant, so they
+are ``mu_s + Y_s - mean(Y)`` for independent normal ``Y_s`` of variance
+``σ_s² · S / (S - 1)``, and the imbalance is ``E[max_s (mu_s + Y_s)] / mean``
+(:func:`expected_max`, one quadrature). A shard gets an RPC in a window
+unless all ``L`` draws miss it: a draw lands on shard ``s`` with probability ``X_s``
+(the summed ``p`` of the ids it owns, holds a slice of, or serves as the chosen hot
+replica), so ``P[no RPC] = E[(1 - X_s)**L]``, taken to second order in ``X_s``'s
+placement variance.
 
 **Bytes** follow :mod:`recserve.sharding.estimates` (DRAM row + 8 B index, RocksDB row
 + 24 B), as expected per-shard means. **Remap on +1 shard**: cold ids move when the
@@ -202,16 +206,10 @@ def simulate(inp: SimulationInput, *, head_ranks: int = HEAD_RANKS, seed: int = 
         return -np.expm1(big_l * np.log1p(-np.minimum(p(x), 1.0 - 1e-16)))
 
     tiers = {"hot": (1, n_hot), "warm": (n_hot + 1, n_hot + n_warm), "cold": (n_hot + n_warm + 1, rows)}
-    # Chance one sent id of the tier goes to a given shard, and placement variance terms.
-    land = {"hot": 1.0 / s, "warm": c / s, "cold": 1.0 / s}
     share = {k: rank_sum(p, lo, hi, head_ranks) for k, (lo, hi) in tiers.items()}
     uniq = {k: rank_sum(q, lo, hi, head_ranks) for k, (lo, hi) in tiers.items()}
     sq = {k: rank_sum(lambda x: q(x) ** 2, lo, hi, head_ranks) for k, (lo, hi) in tiers.items()}
-
-    def no_send(f: float) -> Callable[[np.ndarray], np.ndarray]:
-        return lambda x: np.log1p(-q(x) * f)
-
-    log_none = float(sum(rank_sum(no_send(land[k]), lo, hi, head_ranks) for k, (lo, hi) in tiers.items()))
+    sq_p = {k: rank_sum(lambda x: p(x) ** 2, lo, hi, head_ranks) for k, (lo, hi) in tiers.items()}
 
     rows_per_shard = {"hot": uniq["hot"] / s, "warm": c * uniq["warm"] / s, "cold": uniq["cold"] / s}
     mean = sum(rows_per_shard.values())
@@ -226,7 +224,14 @@ def simulate(inp: SimulationInput, *, head_ranks: int = HEAD_RANKS, seed: int = 
     # with variance var * S / (S - 1), and max(mu + D) = max(mu + Y) - mean(Y).
     sigma = np.sqrt(np.maximum(var, 0.0) * (s / (s - 1) if s > 1 else 0.0))
     imbalance = expected_max(loads, sigma) / mean if mean > 0 else 1.0
-    p_rpc = -math.expm1(log_none)
+    # RPCs: shard s gets none in a window when all L draws miss it. A draw lands on s
+    # with probability X_s (its owner / slice / chosen replica is s), random over hash
+    # placement with mean mu_s and variance v_s; E[(1 - X)^L] to second order.
+    mu = share["cold"] * own + share["warm"] * pi_warm + share["hot"] / r_hot * pi_hot
+    v = sq_p["cold"] * own * (1 - own) + sq_p["warm"] * pi_warm * (1 - pi_warm) + sq_p["hot"] / r_hot**2 * pi_hot * (1 - pi_hot)
+    miss = np.clip(1.0 - mu, 1e-300, 1.0)
+    none = np.exp(big_l * np.log(miss)) + 0.5 * big_l * (big_l - 1) * np.exp((big_l - 2) * np.log(miss)) * v
+    p_rpc = float(np.mean(np.clip(1.0 - none, 0.0, 1.0)))
     wps = inp.windows_per_s
 
     # Bytes per shard (expected means over shards), the estimates.py model.
@@ -337,8 +342,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"cold {b['cold'] / gb:,.3f} GiB  RocksDB {b['rocksdb'] / gb:,.3f} GiB",
         f"network per shard: {n['request_bytes_per_s'] / mb:,.2f} MiB/s in, {n['reply_bytes_per_s'] / mb:,.2f} MiB/s out",
         f"remap on +1 shard: cold {rm['cold']:.4f}  hot {rm['hot']:.4f}  warm {rm['warm']:.4f} of each tier's ids",
-        f"routing structures ({kind}): {routing['total'] / mb:,.1f} MiB per process (a dense map would be "
-        f"{r['routing_memory_bytes_dense_map'] / mb:,.1f} MiB)",
+        f"routing structures ({kind}): {routing['total'] / mb:,.1f} MiB per process"
+        + (f", of which {routing['tier_sets'] / mb:,.1f} MiB are the plan's own hot/warm id arrays (not copied)" if "tier_sets" in routing else "")
+        + f"; a dense map would be {r['routing_memory_bytes_dense_map'] / mb:,.1f} MiB",
         f"shard index: {r['shard_index_bytes_per_shard']['total'] / mb:,.1f} MiB per shard for {r['owned_rows_per_shard']:,.0f} owned rows "
         f"(was {r['landed_per_row_bytes']['shard_index_per_shard'] / mb:,.1f} MiB at 9 B per table row)",
     ]

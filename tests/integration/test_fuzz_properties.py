@@ -134,16 +134,16 @@ def test_admin_methods_refuse_an_expired_deadline_and_say_which_process_serves_t
                 stub.ModelStatus(admin_pb2.ModelStatusRequest(header=expired), timeout=10)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
             with pytest.raises(grpc.RpcError) as err:
-                stub.AddItems(admin_pb2.AddItemsRequest(header=expired, admin_token=TOKEN), timeout=10, metadata=bearer)
+                stub.AddItems(admin_pb2.AddItemsRequest(header=expired), timeout=10, metadata=bearer)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, err.value.details()
             assert stub.ModelStatus(admin_pb2.ModelStatusRequest(), timeout=10).model_version  # a live one is answered
     with grpc.insecure_channel(gw.rankers.address(0)) as channel:
         with pytest.raises(grpc.RpcError) as err:
-            AdminStub(channel).RefreshIndex(admin_pb2.RefreshIndexRequest(admin_token=TOKEN), timeout=10, metadata=bearer)
+            AdminStub(channel).RefreshIndex(admin_pb2.RefreshIndexRequest(), timeout=10, metadata=bearer)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert str(err.value.details()).startswith("Admin.RefreshIndex is served by the cascade"), err.value.details()
     with grpc.insecure_channel(gw.cascade.address) as channel:
         with pytest.raises(grpc.RpcError) as err:
-            AdminStub(channel).ReloadModels(admin_pb2.ReloadModelsRequest(admin_token=TOKEN, models_dir="/x"), timeout=10, metadata=bearer)
+            AdminStub(channel).ReloadModels(admin_pb2.ReloadModelsRequest(models_dir="/x"), timeout=10, metadata=bearer)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert str(err.value.details()).startswith("Admin.ReloadModels is served by the rankers"), err.value.details()

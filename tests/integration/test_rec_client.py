@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import secrets
 import socket
@@ -170,8 +171,9 @@ def feed_service(recommender: str, deadline_ms: float) -> Iterator[str]:
     """The example, started as its README says; yields its /feed URL (read from the line
     it prints once listening: no polling). Stopped (SIGTERM, then reaped) on exit."""
     argv = [sys.executable, str(REPO / "examples" / "feed_service.py"), "--recommender", recommender, "--port", "0",
-            "--deadline-ms", str(deadline_ms), "--editorial", ",".join(map(str, EDITORIAL)), "--popular", ",".join(map(str, POPULAR))]  # fmt: skip
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+            "--deadline-ms", str(deadline_ms), "--editorial", ",".join(map(str, EDITORIAL)), "--popular", ",".join(map(str, POPULAR)),
+            "--api-key-env", "ALPHA_FEED_CREDENTIAL"]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, **ENV})
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()

@@ -153,7 +153,7 @@ def test_admin_servicers_refuse_before_they_look_at_the_process(server: str) -> 
         def make(token: str, insecure: bool = False) -> Any:
             return RankerAdmin(Slot("ranker"), RankerProcessConfig(cluster, "m", ("a:1",), admin_token=token, insecure_admin=insecure))
 
-        calls = [("ReloadModels", admin_pb2.ReloadModelsRequest(models_dir="x")), ("AddItems", admin_pb2.AddItemsRequest())]
+        calls: list[tuple[str, Any]] = [("ReloadModels", admin_pb2.ReloadModelsRequest(models_dir="x")), ("AddItems", admin_pb2.AddItemsRequest())]
     else:
         from cascade.server import AdminServicer as CascadeAdmin
         from cascade.server import CascadeProcessConfig
@@ -241,7 +241,12 @@ def test_resolve_binds_the_key_for_the_calls_made_on_its_behalf() -> None:
     assert contextvars.copy_context().run(serve_one, ALPHA_KEY) == (("x-api-key", ALPHA_KEY),)
     assert contextvars.copy_context().run(serve_one, BETA_KEY) == (("x-api-key", BETA_KEY),)
     assert forwarded_metadata() == () and CALLER_API_KEY.get() == ""
-    assert contextvars.copy_context().run(lambda: (bind_caller_key(""), forwarded_metadata())[1]) == ()
+
+    def bind_nothing() -> tuple[tuple[str, str], ...]:
+        bind_caller_key("")
+        return forwarded_metadata()
+
+    assert contextvars.copy_context().run(bind_nothing) == ()
 
 
 class RecordingRank:
@@ -308,6 +313,10 @@ def test_launchers_pass_insecure_admin_and_the_token_variable(tmp_path: Path) ->
     assert "--insecure-admin" in rankers._command(0, 0, tmp_path / "p") and rankers._env()["OPS_TOKEN"] == "t2"
     cascade = CascadeCluster(tmp_path / "c.toml", tmp_path / "m", ["a:1"], ["s:1"], data_root=tmp_path / "c")
     assert "--insecure-admin" not in cascade._command(0, 0, tmp_path / "p")
+    # [tls]: the launchers watch their children's health over TLS.
+    from recserve.cluster.group import health_watch, watch_health
+
+    assert health_watch(None) is health_watch(TlsConfig()) is watch_health and health_watch(TlsConfig("c.pem", "k.pem")) is not watch_health
 
 
 # ---- [admin] and [tls] ----------------------------------------------------------------------

@@ -99,7 +99,7 @@ def test_overrides_map_rendered_names_to_loopback() -> None:
     assert env.resolve(NAME) == ("127.0.0.1:9",)
     with pytest.raises(ConfigError, match=RESOLVE_ENV):
         parse_overrides("no-equals-sign")
-    assert is_literal("10.0.0.1:1") and not is_literal(NAME)
+    assert is_literal("10.0.0.1:1") and is_literal("dns:///x.svc:1") and not is_literal(NAME)
 
 
 def test_set_replicas_keeps_the_state_of_replicas_that_stay() -> None:
@@ -120,6 +120,10 @@ def test_set_replicas_keeps_the_state_of_replicas_that_stay() -> None:
         assert router.inflight[router.index(picked)] == before[router.index(picked)] - 7.0
     picks = {router.pick(0.2) for _ in range(50)}
     assert picks <= {"c:1", "d:1"} and "d:1" in picks  # never the removed one, nor the open one
+
+
+def _no_stub(channel: grpc.aio.Channel) -> Any:
+    raise AssertionError("no channel is opened: the tests pass stub_factory")
 
 
 class FakeStub:
@@ -145,7 +149,7 @@ def test_routed_calls_follow_the_resolved_pods() -> None:
     resolver = FakeResolver({NAME: ("10.0.0.1:7200", "10.0.0.2:7200")})
     clock = FakeClock()
     calls: Counter[str] = Counter()
-    routed = RoutedCalls([NAME], object, service="recserve.v1.Ranking", what="ranker", config=RoutingConfig(dns_refresh_ms=5000.0),
+    routed = RoutedCalls([NAME], _no_stub, service="recserve.v1.Ranking", what="ranker", config=RoutingConfig(dns_refresh_ms=5000.0),
                          rng=np.random.default_rng(0), clock=clock, stub_factory=lambda a: FakeStub(a, calls), resolver=resolver)  # fmt: skip
 
     async def ping(n: int) -> set[str]:
@@ -175,5 +179,5 @@ def test_routed_calls_follow_the_resolved_pods() -> None:
 
 
 def test_fake_stubs_without_a_resolver_never_look_names_up() -> None:
-    routed = RoutedCalls(["r0:7000", "r1:7000"], object, service="s", what="ranker", stub_factory=lambda a: FakeStub(a, Counter()))
+    routed = RoutedCalls(["r0:7000", "r1:7000"], _no_stub, service="s", what="ranker", stub_factory=lambda a: FakeStub(a, Counter()))
     assert routed.membership is None

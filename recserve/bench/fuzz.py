@@ -9,7 +9,8 @@ admin token — and then:
 1. sends every gRPC method of every service (EmbeddingShard, Ranking, Admin on the ranker
    and on the cascade, Recommender, Generation) hypothesis-drawn bad requests
    (:mod:`recserve.bench.fuzz_grpc`), ``--cases`` per service (split evenly over its
-   methods), and judges each answer (a client-error status; DEADLINE_EXCEEDED for an
+   methods; a method whose request type runs out of distinct cases passes its share to
+   the others), and judges each answer (a client-error status; DEADLINE_EXCEEDED for an
    expired deadline);
 2. fuzzes the gateway from its ``/openapi.json`` with schemathesis plus hostile bodies
    (:mod:`recserve.bench.fuzz_http`), ``--http-cases`` per operation and mode;
@@ -224,6 +225,17 @@ def fuzz_stack(args: argparse.Namespace, root: Path) -> dict[str, Any]:
                 per_method = math.ceil(args.cases / len(ms))
                 with grpc.insecure_channel(t.address) as channel:
                     report = fuzz_methods(channel, ms, cases_per_method=per_method, seed=args.seed, examples=examples, admin_token=ADMIN_TOKEN)
+                    # A method with an empty request type (ShardInfo, GetPlan) runs out of
+                    # distinct cases after a few; the others take its share of --cases.
+                    still_drawing = [m for m in ms if report.methods[m.path].cases >= per_method]
+                    if report.cases < args.cases and still_drawing:
+                        more = fuzz_methods(channel, still_drawing, cases_per_method=math.ceil((args.cases - report.cases) / len(still_drawing)),
+                                            seed=args.seed + 7_919, examples=examples, admin_token=ADMIN_TOKEN)  # fmt: skip
+                        for path, extra in more.methods.items():
+                            stats = report.methods[path]
+                            stats.cases += extra.cases
+                            stats.codes.update(extra.codes)
+                            stats.violations.extend(extra.violations)
                 codes: dict[str, int] = {}
                 for stats in report.methods.values():
                     for code, n in stats.codes.items():

@@ -27,7 +27,8 @@ unit test checks every object. What it renders (docs/architecture.md §3, "On Ku
 * **Probes**: gRPC (``grpc:`` with the service name) for the gRPC servers, HTTP
   ``/readyz`` / ``/healthz`` for the gateway; start-up probes sized to tier loading.
 * **Secrets** are referenced by name (``secretKeyRef``), never rendered: the admin token
-  (key ``admin-token``, into ``[admin] token_env``) and one key per tenant ``api_key_env``.
+  (key ``admin-token``, into ``[admin] token_env``) and one key per tenant ``api_key_env``
+  (into the gateway and the gRPC servers that authenticate tenants).
 * **Observability**: ``prometheus.io/scrape`` / ``port`` / ``path`` on every pod
   template with a metrics port.
 """
@@ -193,6 +194,11 @@ class _Builder:
         """An env var from the Secret, by reference: the value is never in a manifest."""
         return {"name": env, "valueFrom": {"secretKeyRef": {"name": self.o.secret_name, "key": key}}}
 
+    def tenant_env(self) -> list[dict[str, Any]]:
+        """Every keyed tenant's API key, from the Secret: the gateway and the gRPC servers
+        that authenticate tenants by ``x-api-key`` (Ranking, Recommender, Generation)."""
+        return [self.secret_env(t.api_key_env, t.api_key_env) for t in self.spec.tenants if t.api_key_env]
+
     def grpc_env(self) -> list[dict[str, Any]]:
         """The lookup path's process-start settings (gRPC I/O path, malloc thresholds)."""
         return [{"name": k, "value": v} for k, v in sorted(transport_env(self.spec.lookup).items())]
@@ -305,7 +311,7 @@ class _Builder:
     def replica_set(self, kind: str, replicas: int) -> list[dict[str, Any]]:
         spec, o = self.spec, self.o
         common = ["--config", f"{CONFIG_DIR}/cluster.toml", "--host", "0.0.0.0", "--port", str(PORTS[kind]), "--metrics-port", str(PORTS["metrics"])]
-        env = [*self.grpc_env()]
+        env = [*self.grpc_env(), *self.tenant_env()]
         resources: dict[str, Any] = {"requests": {"memory": mebibytes(o.ranker_memory_bytes)}, "limits": {"memory": mebibytes(o.ranker_memory_bytes * 2)}}
         extra: dict[str, Any] = {}
         if kind == "ranker":
@@ -356,7 +362,7 @@ class _Builder:
                 "--recommenders", service_address("cascade", o), "--rankers", service_address("ranker", o)]  # fmt: skip
         if spec.topology.generators:
             args += ["--generators", service_address("generation", o)]
-        env = [self.secret_env(t.api_key_env, t.api_key_env) for t in spec.tenants if t.api_key_env]
+        env = self.tenant_env()
         http = {"port": port}
         container = {
             "name": kind, "image": o.image, "args": args, "ports": [{"name": "http", "containerPort": port}], "env": env,

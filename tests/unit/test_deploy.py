@@ -142,6 +142,9 @@ def test_no_secret_value_appears_and_secrets_are_referenced(rendered: Rendered, 
     for name in ("recserve-shard", "recserve-ranker", "recserve-cascade"):
         env = {e["name"]: e for e in pods[name]["containers"][0]["env"]}
         assert env["RECSERVE_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "recserve-secrets", "key": ADMIN_TOKEN_KEY}
+    for name in ("recserve-ranker", "recserve-cascade", "recserve-generation"):  # they authenticate tenants by x-api-key too
+        env = {e["name"]: e for e in pods[name]["containers"][0]["env"]}
+        assert env["FEED_API_KEY"] == gateway_env["FEED_API_KEY"]
     for pod in pods.values():  # no literal value for any secret-named variable
         for c in pod["containers"]:
             for e in c.get("env", []):

@@ -250,7 +250,7 @@ def fuzz_stack(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         _log(f"gateway: {http.cases:,} cases ({http.hostile_cases:,} hostile bodies), {len(http.violations)} violation(s)")
         failures = check_good_requests(addresses, plan)
         leaks = ResourceProbe.leaks(before, probe.sample(), fd_slack=FD_SLACK, thread_slack=THREAD_SLACK)
-        crashed = [name for name, pid in probe.pids.items() if not Path(f"/proc/{pid}").exists()]
+        crashed = probe.dead()
     violations = sum(len(s["violations"]) for s in services.values()) + len(http.violations)
     return {
         "services": services,

@@ -338,6 +338,19 @@ class ResourceProbe:
     def __init__(self, pids: Mapping[str, int]) -> None:
         self.pids = dict(pids)
 
+    def dead(self) -> list[str]:
+        """Processes that have exited (gone, or a zombie their launcher has not reaped)."""
+        out = []
+        for name, pid in self.pids.items():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]  # the name in () may hold spaces
+            except FileNotFoundError:
+                state = "gone"
+            if state in ("Z", "X", "gone"):
+                out.append(name)
+        return out
+
     def sample(self) -> dict[str, Resources]:
         return {name: Resources(len(os.listdir(f"/proc/{pid}/fd")), len(os.listdir(f"/proc/{pid}/task"))) for name, pid in self.pids.items()}
 

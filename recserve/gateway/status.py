@@ -523,6 +523,7 @@ def openapi_paths() -> dict[str, Any]:
         "supervisor": {"type": "object", "nullable": True, "description": "under `recserve serve`: crash_looping (child names) and "
                        "per child its state, restarts, last exit code and recent exits (recserve/cluster/supervise.py); null otherwise"},
     }, "The status page's numbers, from every process's /metrics")  # fmt: skip
+    body["required"].remove("supervisor")  # added by the route, not by StatusCore
     return {
         "/": {"get": {"summary": "The status page (HTML, for people)", "responses": {
             "200": {"description": "one HTML page that refreshes itself from /v1/status", "content": {"text/html": {"schema": text}}}}}},

@@ -89,6 +89,7 @@ def test_every_grpc_method_answers_property_based_bad_input_with_client_errors_a
     before = probe.sample()
     reports = {name: fuzz_properties(address, cases_per_method=CASES, seed=0, examples=examples, admin_token=TOKEN, skip_services=SKIP)
                for name, (address, _) in procs.items()}  # fmt: skip
+    assert probe.dead() == []
     assert_good_requests_answered(gw)
     leaks = ResourceProbe.leaks(before, probe.sample(), fd_slack=FD_SLACK, thread_slack=THREAD_SLACK)
     assert not leaks, leaks
@@ -111,6 +112,7 @@ def test_the_gateway_answers_schemathesis_and_hostile_bodies_with_4xx_and_keeps_
     fuzz_gateway(gw.url, cases_per_operation=3, seed=1)  # warm-up
     before = probe.sample()
     report = fuzz_gateway(gw.url, cases_per_operation=HTTP_CASES, seed=0)
+    assert probe.dead() == []
     assert not report.violations, "\n".join(report.violations)
     assert {"POST /v1/recommendations", "POST /v1/rank", "POST /v1/generate"} <= set(report.operations), report.operations
     assert report.hostile_cases >= 20 and report.cases > report.hostile_cases

@@ -36,7 +36,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from recserve.cli.main import COMMANDS
 from recserve.cli.serve_cmd import READY_LINE
-from recserve.cluster.group import REPO_ROOT
+from recserve.cluster.group import REPO_ROOT, Health, watch_health
 from recserve.rpc.deadline import make_header
 from recserve.rpc.tensors import pack, unpack
 from recserve.v1 import ranking_pb2, recommender_pb2
@@ -226,6 +226,21 @@ def test_serve_reports_ready_answers_and_leaves_no_child_on_sigterm(world: Ranke
     # Ready means every child says SERVING itself.
     for e in serving.endpoints:
         assert _health(e.address, HEALTH_SERVICE[e.service]) == health_pb2.HealthCheckResponse.SERVING, e
+
+    # Supervision (issue 17): a SIGKILLed shard is restarted on its port, and says so.
+    shard = serving.of("EmbeddingShard")[0]
+    os.kill(shard.pid, signal.SIGKILL)
+    said: list[str] = []
+    while not any("shard-0 restarted" in line for line in said):
+        line = serving.rest.get(timeout=READY_TIMEOUT_S)
+        assert line is not None, said  # not EOF: serve itself must live on
+        said.append(line)
+    assert said[0].startswith(f"recserve: shard-0 exited with code {-signal.SIGKILL}; restarting in "), said
+    end = time.monotonic() + READY_TIMEOUT_S
+    while (seen := watch_health(shard.address, HEALTH_SERVICE[shard.service], max(0.1, end - time.monotonic()))) is Health.UNREACHABLE:
+        assert time.monotonic() < end, "the restarted shard never listened"
+        time.sleep(0.05)  # not listening yet: the restart is still importing
+    assert seen is Health.SERVING  # loaded again, on its old port
 
     items = np.arange(10, 50, dtype=np.int64)
     for e in serving.of("Ranking"):

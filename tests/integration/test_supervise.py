@@ -57,7 +57,11 @@ def test_a_sigkilled_shard_is_restarted_and_serves_every_acknowledged_upsert(sha
             req.tables.add(table="item", ids=pack(ids), rows=pack(new))
             reply = embedding_pb2_grpc.EmbeddingShardStub(ch).Upsert(req, timeout=30, metadata=admin_metadata(ADMIN_TOKEN))
         assert reply.rows_written == len(ids)  # acknowledged
-        sup = SupervisorThread(Supervisor([cluster._group], FAST), state_file=state, on_event=lambda line: "restarted" in line and restarted.set())
+        def on_event(line: str) -> None:
+            if "restarted" in line:
+                restarted.set()
+
+        sup = SupervisorThread(Supervisor([cluster._group], FAST), state_file=state, on_event=on_event)
         sup.start()
         try:
             first_pid = cluster.pid(0)

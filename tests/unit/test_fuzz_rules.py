@@ -114,8 +114,10 @@ def test_leaks_are_growth_beyond_the_slack() -> None:
         "ranker-0: open fds 20 -> 27", "ranker-0: threads 10 -> 15"]
 
 
-def test_the_probe_counts_this_processes_fds() -> None:
+def test_the_probe_counts_this_processes_fds_and_sees_it_alive() -> None:
     probe = ResourceProbe({"me": os.getpid()})
+    assert probe.dead() == []
+    assert ResourceProbe({"gone": 2**22 + 12345}).dead() == ["gone"]  # above pid_max's default
     first = probe.sample()["me"]
     r, w = os.pipe()
     try:

@@ -210,6 +210,9 @@ class GrpcRankTarget(Target):
         return self.client.stats.attempts
 
 
+WARM_UP_LOOKUPS = 32  # sequential, before the run (GrpcLookupTarget.start)
+
+
 class GrpcLookupTarget(Target):
     """DLRM lookups of each request through a LookupClient of the load test's own."""
 
@@ -226,8 +229,16 @@ class GrpcLookupTarget(Target):
         self.label = f"feature-parallel lookups of {len(addresses)} shards"
 
     async def start(self) -> None:
+        import torch
+
         from ranker.features import serving_arrays
         from recserve.lookup.client import LookupClient
+
+        # One torch thread, as the ranker and the demo run: the client pools on the event
+        # loop, and two intra-op threads spinning against each other (and the shards) on a
+        # shared 2-core box stretched a 500-id window's pooling to ~20 ms here, stalling
+        # the generator with it.
+        torch.set_num_threads(1)
         from recserve.lookup.transport import GrpcShardTransport
         from recserve.sharding.plan import ShardingPlan
 
@@ -241,6 +252,13 @@ class GrpcLookupTarget(Target):
             for e in range(self.pool.size):
                 self.kjt(e)
         await self.client.start()
+        # A few lookups with a generous deadline before any load: the first windows pay
+        # one-off costs (torch's first embedding_bag, channel set-up), and the client's
+        # admission estimates its service time from the windows it runs; learnt from a
+        # cold window alone, it would shed every caller with a tight deadline, so no
+        # window would ever run to correct it.
+        for e in range(min(WARM_UP_LOOKUPS, self.pool.size)):
+            await self.client.lookup(self.kjt(e), pooled=True, timeout_s=2.0)
 
     def kjt(self, e: int) -> Any:
         """The KJT of pool entry ``e`` (built once): DLRM's features of (user, candidate) pairs, [C] each."""

@@ -73,7 +73,8 @@ timeout_ms = 10000.0
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cases", type=int, default=10_000, help="gRPC cases per service, split over its methods (default 10,000)")
-    p.add_argument("--http-cases", type=int, default=500, help="schemathesis cases per gateway operation and mode, and hostile bodies per POST operation (default 500)")
+    # 3 POST operations x (valid, schema-breaking, hostile) x 1,200 >= 10,000 gateway cases.
+    p.add_argument("--http-cases", type=int, default=1_200, help="schemathesis cases per gateway operation and mode, and hostile bodies per POST operation (default 1,200)")
     p.add_argument("--seed", type=int, default=0, help="hypothesis seed (same seed, same cases)")
     p.add_argument("--items", type=int, default=5_000, help="catalog items of the tiny world (default 5,000)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import sys
@@ -190,6 +191,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             result["_table"] = format_rate_sweep(result["sweep"], result["knee"]) + f"\nplot: {png}"
             return result
         before = await _server_requests(target)
+        client = getattr(target, "client", None)
+        stats_before = dataclasses.replace(client.stats) if kind is TargetKind.LOOKUP and client is not None else None
         summary = await run_at(target, args.rate, args.duration, f"{kind.value} {args.rate:,.0f}/s")
         after = await _server_requests(target)
     finally:
@@ -200,11 +203,18 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     attempts = getattr(target, "attempts", None)
     if attempts is not None:
         report["attempts"] = attempts  # Rank RPCs sent, the router's retries included
-    client = getattr(target, "client", None)
-    if kind is TargetKind.LOOKUP and client is not None:
-        report["lookup"] = client.stats.as_dict()  # windows, dedup, RPCs of the load test's own client
+    if stats_before is not None:
+        report["lookup"] = _stats_delta(stats_before, client.stats)  # windows, dedup, RPCs of the run (not the warm-up)
     report["_table"] = format_summary(summary, title=f"recserve loadtest: {target.label}, {args.rate:,.0f}/s for {args.duration:g} s")
     return report
+
+
+def _stats_delta(before: Any, after: Any) -> dict[str, float]:
+    """The lookup client's counters over the run (LookupStats fields, after - before),
+    with its ratios recomputed."""
+    delta = type(after)(**{f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)})
+    out: dict[str, float] = delta.as_dict()
+    return out
 
 
 async def _server_requests(target: Any) -> int | None:

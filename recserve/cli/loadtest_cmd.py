@@ -203,8 +203,9 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     attempts = getattr(target, "attempts", None)
     if attempts is not None:
         report["attempts"] = attempts  # Rank RPCs sent, the router's retries included
-    if stats_before is not None:
+    if stats_before is not None and client is not None:
         report["lookup"] = _stats_delta(stats_before, client.stats)  # windows, dedup, RPCs of the run (not the warm-up)
+        report["lookup_total"] = client.stats.as_dict()  # since the client started, its warm-up included
     report["_table"] = format_summary(summary, title=f"recserve loadtest: {target.label}, {args.rate:,.0f}/s for {args.duration:g} s")
     return report
 

@@ -9,6 +9,7 @@ enabled, faults can be set two ways:
       set_fault("127.0.0.1:50051", delay_ms=80)                 # every Lookup/Upsert
       set_fault(addr, code="UNAVAILABLE", count=3)              # the next 3 RPCs fail
       set_fault(addr, delay_ms=50, methods=["Lookup"])          # Lookups only
+      set_fault(addr, disk_full=True)                           # RocksDB writes fail (Upserts)
       set_fault(addr)                                           # clear
 
 - **per RPC**, with metadata ``x-recserve-fault: delay_ms=20;code=UNAVAILABLE``.
@@ -47,12 +48,15 @@ def hook_enabled_by_env() -> bool:
 class Fault:
     """``delay_ms`` before answering, then fail with ``code`` (a grpc.StatusCode name)
     if set; for ``methods`` (empty = Lookup and Upsert); for the next ``count`` RPCs
-    (-1 = until cleared)."""
+    (-1 = until cleared). ``disk_full``: the shard's RocksDB write raises the error a
+    full disk gives (:meth:`FaultInjector.store_write_error`), so an Upsert goes through
+    the real failure path of the store, not an RPC-level stand-in."""
 
     delay_ms: float = 0.0
     code: str = ""
     methods: tuple[str, ...] = ()
     count: int = -1
+    disk_full: bool = False
 
     def __post_init__(self) -> None:
         if not (self.delay_ms >= 0.0):
@@ -76,6 +80,7 @@ class Fault:
                 code=str(raw.get("code", "")),
                 methods=tuple(raw.get("methods", ())),
                 count=int(raw.get("count", -1)),
+                disk_full=bool(raw.get("disk_full", False)),
             )
         except (ValueError, TypeError, AttributeError) as exc:
             raise InvalidArgument(f"fault request is not valid JSON of delay_ms/code/methods/count: {exc}") from exc
@@ -99,6 +104,12 @@ class FaultInjector:
 
     def set(self, fault: Fault) -> None:
         self.fault = fault
+
+    def store_write_error(self) -> str | None:
+        """The message of the I/O error the store's next write must raise (None: write)."""
+        if self.enabled and self.fault.disk_full:
+            return "IO error: No space left on device (injected by the test fault hook)"
+        return None
 
     def _take(self, method: str, metadata: Any) -> Fault | None:
         for key, value in metadata:
@@ -136,15 +147,16 @@ class FaultInjector:
         return grpc.method_handlers_generic_handler(SERVICE, {"Set": grpc.unary_unary_rpc_method_handler(set_fault)})
 
 
-def _request(delay_ms: float, code: str, methods: Sequence[str], count: int) -> bytes:
-    Fault(delay_ms=delay_ms, code=code, methods=tuple(methods), count=count)  # validate client-side too
-    return json.dumps({"delay_ms": delay_ms, "code": code, "methods": list(methods), "count": count}).encode()
+def _request(delay_ms: float, code: str, methods: Sequence[str], count: int, disk_full: bool = False) -> bytes:
+    Fault(delay_ms=delay_ms, code=code, methods=tuple(methods), count=count, disk_full=disk_full)  # validate client-side too
+    return json.dumps({"delay_ms": delay_ms, "code": code, "methods": list(methods), "count": count, "disk_full": disk_full}).encode()
 
 
-def set_fault(address: str, *, delay_ms: float = 0.0, code: str = "", methods: Sequence[str] = (), count: int = -1, timeout_s: float = 5.0) -> dict[str, Any]:
+def set_fault(address: str, *, delay_ms: float = 0.0, code: str = "", methods: Sequence[str] = (), count: int = -1, disk_full: bool = False,
+              timeout_s: float = 5.0) -> dict[str, Any]:  # fmt: skip
     """Set (or clear, with no arguments) the persistent fault of the shard at
     ``address``. Returns the fault now in effect."""
     with grpc.insecure_channel(address) as channel:
         call = channel.unary_unary(SET_METHOD, request_serializer=None, response_deserializer=None)
-        reply = call(_request(delay_ms, code, methods, count), timeout=timeout_s)
+        reply = call(_request(delay_ms, code, methods, count, disk_full), timeout=timeout_s)
     return json.loads(reply)  # type: ignore[no-any-return]

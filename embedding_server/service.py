@@ -188,6 +188,8 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
             context_from_header(request.header, context.time_remaining())
             core.check_size(count_ids(request.tables), "UpsertRequest")
             self.upserts_started += 1
+            if self.faults.enabled:  # test-only: a "full disk" fails the store's write itself
+                core.store.fail_writes = self.faults.store_write_error()
             written = await self._on_executor(core.upsert, request)
         except Exception as exc:  # noqa: BLE001
             await self._fail(context, "Upsert", exc)

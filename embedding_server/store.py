@@ -59,6 +59,10 @@ class RowStore:
     left untouched.
     """
 
+    # Test-only (the shard's --fault-hook, "disk_full"): when set, write_rows raises this
+    # I/O error instead of writing, as RocksDB does on a full disk.
+    fail_writes: str | None = None
+
     def __init__(
         self,
         path: str | Path,
@@ -151,6 +155,8 @@ class RowStore:
         with self._counter_lock:
             counter = UpsertCounter(self._upserts.seq + 1, self._upserts.rows + rows)
             batch.put(UPSERT_COUNTER_KEY, _COUNTER.pack(counter.seq, counter.rows))  # default family
+            if self.fail_writes:  # the test fault hook's full disk: raised as rocksdict raises one
+                raise Exception(self.fail_writes)  # noqa: TRY002
             self._db.write(batch, self._wal_opts)
             self._upserts = counter  # only once RocksDB took the batch
 

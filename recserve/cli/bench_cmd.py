@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, str] = {
     "rank": "Ranking service knee: batched vs unbatched, 1 and 2 rankers, forward cost, dedup",
     "recall": "L0-L3 cascade: per-stage recall vs ground truth, exhaustive DLRM and exact FAISS; latency and speedup",
     "mixed": "ranker + decoder on one device behind the bulkhead: Rank p99 and decode tokens/s, alone and mixed",
+    "faults": "six faults under open-loop Recommend load on a supervised cluster: failed, shed, p99, coverage, lost upserts, recovery; PNG timeline",
     "fuzz": "bad input: hypothesis requests to every gRPC method of every service, schemathesis + hostile bodies on the gateway; leaks",
 }
 

@@ -20,6 +20,7 @@ Use one per test module (training the world takes a while)::
     requests.post(gw.url + "/v1/recommendations", json={"user_id": 5, "k": 10})
     gw.metrics_urls      # {"shard-0": "http://127.0.0.1:P/metrics", ..., "gateway": ...}
     gw.log_paths         # {"shard-0": Path(...), ..., "gateway": Path(...)}
+    assert secrets_in(read_logs(gw.log_paths), {"feed key": KEY}) == []  # the no-secrets check
 """
 
 from __future__ import annotations
@@ -103,6 +104,18 @@ class GatewayWorld:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+def read_logs(paths: Mapping[str, Path]) -> dict[str, str]:
+    """Every log's text by process name (``GatewayWorld.log_paths`` or any such map)."""
+    return {name: path.read_text(errors="replace") for name, path in paths.items()}
+
+
+def secrets_in(logs: Mapping[str, str], secrets: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The no-secrets log check, for any suite: ``(process, label)`` for every secret
+    value (``secrets``: label -> value, e.g. API keys and admin tokens) found in any
+    process's log text (``logs``: name -> text, from :func:`read_logs`). ``[]`` passes."""
+    return [(name, label) for name, text in logs.items() for label, value in secrets.items() if value in text]
 
 
 def _stack_metrics(shards: ShardCluster, rankers: RankerCluster, cascade: CascadeCluster) -> dict[str, str]:

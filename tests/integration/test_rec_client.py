@@ -54,6 +54,8 @@ from recserve.rpc.deadline import make_header
 from recserve.rpc.tensors import pack
 from recserve.v1 import admin_pb2, admin_pb2_grpc, embedding_pb2, embedding_pb2_grpc, recommender_pb2, recommender_pb2_grpc
 from tests.integration.gateway_world import GatewayWorld, gateway_world
+from tests.integration.gateway_world import read_logs as gateway_world_logs
+from tests.integration.gateway_world import secrets_in as secrets_in_logs
 
 REPO = Path(__file__).resolve().parents[2]
 START_S = 60.0  # guard on a subprocess's start-up line and on a stalled call only
@@ -319,11 +321,11 @@ def logs_after_traffic(gw: GatewayWorld) -> dict[str, str]:
 
 
 def read_logs(gw: GatewayWorld) -> dict[str, str]:
-    return {name: path.read_text(errors="replace") for name, path in gw.log_paths.items()}
+    return gateway_world_logs(gw.log_paths)
 
 
 def secrets_in(logs: dict[str, str]) -> list[tuple[str, str]]:
-    return [(name, label) for name, text in logs.items() for label, value in SECRETS.items() if value in text]
+    return secrets_in_logs(logs, SECRETS)  # the shared check (tests/integration/gateway_world.py)
 
 
 def test_no_key_or_token_appears_in_any_process_log(logs_after_traffic: dict[str, str]) -> None:

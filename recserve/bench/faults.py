@@ -1,0 +1,397 @@
+"""``recserve bench faults``: six faults, one after another, under open-loop Recommend load.
+
+It starts a real, supervised cluster (:class:`~recserve.cluster.stack.ServingStack`:
+3 shards with the test-only fault hook, 2 rankers, the cascade and the gateway), finds
+the knee of open-loop ``Recommend`` over gRPC with :mod:`recserve.bench.knee` (or takes
+``--knee-rps``), then drives Poisson load at ``--load`` (0.7) of it with
+:func:`recserve.loadtest.driver.run_open_loop` through a recording target, and injects:
+
+1. ``shard_kill``: SIGKILL of shard 0, restarted by the supervisor;
+2. ``shard_slow``: +200 ms on shard 1's data RPCs (the fault hook) for ``--during``;
+3. ``ranker_kill``: SIGKILL of ranker 0 (restarted by the supervisor);
+4. ``burst``: a second open-loop stream so the offered load is 3x the knee, for ``--during``;
+5. ``upserts``: ``--upserts`` acknowledged rows on shards 0 and 1, SIGKILL of both,
+   supervisor restart, every row read back (``lost_upserts``: rows not read back equal);
+6. ``disk_full``: shard 2's RocksDB writes raise a full disk's I/O error (the fault
+   hook's ``disk_full``): upserts fail loudly, the rows stay as they were, reads go on.
+
+Each fault runs ``--before`` s of plain load, the fault for ``--during`` s (longer when
+a restart takes longer) and ``--after`` s. Figures: :mod:`recserve.bench.faults_report`;
+``--json`` prints ``{"faults": {NAME: {...}}, "total": {...}, "meta": {...}}``; a PNG
+timeline goes to ``OUT/faults.png``. ``--faults`` picks a subset (CI runs two or three).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from recserve.bench.faults_report import OK_STATUS, Records, fault_figures, format_table, timeline, total_figures
+from recserve.loadtest.requests import RequestPool
+from recserve.loadtest.targets import GrpcRecommendTarget, _remaining, status_name
+
+FAULTS = ("shard_kill", "shard_slow", "ranker_kill", "burst", "upserts", "disk_full")
+SLOW_SHARD_MS = 200.0
+BURST_FACTOR = 3.0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", type=Path, default=None, help="a trained export (default: generate and train a small one into OUT)")
+    p.add_argument("--catalog", type=Path, default=None, help="the catalog --models was trained on (default: MODELS/../catalog)")
+    p.add_argument("--config", type=Path, default=None, help="cluster spec (default: the export's, with 3 shards and 2 rankers)")
+    p.add_argument("--items", type=int, default=20_000, help="catalog items when generating (default 20000)")
+    p.add_argument("--users", type=int, default=5_000, help="catalog users when generating (default 5000)")
+    p.add_argument("--zipf", type=float, default=1.05)
+    p.add_argument("--train-rows", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--faults", default=",".join(FAULTS), help=f"comma-separated subset, in this order: {','.join(FAULTS)}")
+    p.add_argument("--before", type=float, default=10.0, help="seconds of plain load before each fault (default 10)")
+    p.add_argument("--during", type=float, default=10.0, help="seconds each fault lasts (default 10)")
+    p.add_argument("--after", type=float, default=15.0, help="seconds after each fault, for recovery (default 15)")
+    p.add_argument("--load", type=float, default=0.7, help="offered load as a fraction of the knee (default 0.7)")
+    p.add_argument("--knee-rps", type=float, default=0.0, help="skip the knee search and use this rate (default 0 = search)")
+    p.add_argument("--knee-lo", type=float, default=5.0)
+    p.add_argument("--knee-hi", type=float, default=400.0)
+    p.add_argument("--probe-s", type=float, default=5.0, help="seconds per knee probe (default 5)")
+    p.add_argument("--slo-ms", type=float, default=500.0, help="the SLO of goodput and the knee (default 500)")
+    p.add_argument("--timeout-ms", type=float, default=5000.0, help="each Recommend's deadline (default 5000)")
+    p.add_argument("--upserts", type=int, default=1000, help="acknowledged rows written before the kill of fault 5 (default 1000)")
+    p.add_argument("--pool-size", type=int, default=2048)
+    p.add_argument("--out", type=Path, default=Path("out/bench-faults"), help="world, run data, faults.json and faults.png (default out/bench-faults)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.faults.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(FAULTS))
+    if unknown or not names:
+        raise SystemExit(f"--faults {args.faults!r} is invalid: use a comma-separated subset of {','.join(FAULTS)}")
+    for flag, value in (("--before", args.before), ("--during", args.during), ("--after", args.after), ("--load", args.load)):
+        if not value > 0:
+            raise SystemExit(f"{flag} = {value!r} is invalid: use a positive number")
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = run_suite(args, [n for n in FAULTS if n in names])
+    (args.out / "faults.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report) if args.json else format_table(report))
+    return 0
+
+
+def _log(msg: str) -> None:
+    print(f"[bench faults] {msg}", file=sys.stderr, flush=True)
+
+
+class RecordingTarget(GrpcRecommendTarget):
+    """``Recommend`` over gRPC that also keeps one record per request (scheduled time =
+    deadline - timeout, finish time, status, degraded, coverage) while ``recording``."""
+
+    def __init__(self, addresses: list[str], pool: RequestPool, *, timeout_s: float) -> None:
+        super().__init__(addresses, pool)
+        self.timeout_s = timeout_s
+        self.recording = False
+        self.cols: tuple[list[float], list[float], list[str], list[bool], list[float]] = ([], [], [], [], [])
+
+    def take(self) -> Records:
+        """The records so far (and start a fresh set)."""
+        rec = Records.from_lists(*self.cols)
+        self.cols = ([], [], [], [], [])
+        return rec
+
+    async def call(self, i: int, deadline_s: float) -> bool:
+        from recserve.rpc.deadline import make_header
+        from recserve.v1 import recommender_pb2
+
+        sched = deadline_s - self.timeout_s
+        e = self.pool.entry(i)
+        request = recommender_pb2.RecommendRequest(header=make_header(timeout_s=_remaining(deadline_s)), user_id=int(self.pool.user_ids[e]), k=self.k)
+        try:
+            reply = await self._channels.pick().Recommend(request, timeout=_remaining(deadline_s))
+        except asyncio.CancelledError:  # the driver gave up on it after the drain: still one request, counted
+            self._record(sched, "CANCELLED", False, float("nan"))
+            raise
+        except Exception as exc:
+            self._record(sched, status_name(exc), False, float("nan"))
+            raise
+        self._record(sched, OK_STATUS, bool(reply.degraded), float(reply.coverage))
+        return bool(reply.degraded)
+
+    def _record(self, sched: float, status: str, degraded: bool, coverage: float) -> None:
+        if self.recording:
+            for col, v in zip(self.cols, (sched, time.monotonic(), status, degraded, coverage)):
+                col.append(v)  # type: ignore[attr-defined]
+
+
+def _spec(models: Path, run_dir: Path) -> Path:
+    from ranker.spec import cluster_spec_toml
+
+    manifest = json.loads((models / "manifest.json").read_text())
+    path = run_dir / "cluster.toml"
+    path.write_text(cluster_spec_toml(manifest, models, num_shards=3) + "\n[topology]\nrankers = 2\n")
+    return path
+
+
+def _start_stack(args: argparse.Namespace, models: Path, run_dir: Path) -> Any:
+    from recserve.cli.serve_cmd import _prepare
+    from recserve.cluster.supervise import SupervisorConfig
+
+    spec = args.config if args.config is not None else _spec(models, run_dir)
+    ns = argparse.Namespace(models=models, config=spec, no_cascade=False, no_gateway=False, insecure_admin=True, cache=None)
+    with contextlib.redirect_stdout(sys.stderr):  # serve's lines, not the --json
+        stack = _prepare(ns, run_dir / "data")
+        stack.shards.fault_hook = True  # the test-only hook (latency, errors) on every shard
+        stack.start()
+    stack.supervise(SupervisorConfig(initial_backoff_s=0.2, max_backoff_s=2.0), on_event=lambda line: _log(f"supervisor: {line}"))
+    return stack
+
+
+# ---- the faults: each a blocking function run in a thread while the load goes on --------
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _wait_restarted(group: Any, k: int, old_pid: int, timeout_s: float = 120.0) -> None:
+    """Until the supervisor has restarted member ``k`` (a new pid) and it is SERVING."""
+    limit = time.monotonic() + timeout_s
+
+    def restarted() -> bool:
+        try:
+            return group.pid(k) != old_pid and group._group.exit_code(k) is None  # the launcher's ProcessGroup
+        except KeyError:  # the supervisor is between the old member and the new one
+            return False
+
+    while not restarted():
+        if time.monotonic() > limit:
+            raise TimeoutError(f"{type(group).__name__} member {k} was not restarted within {timeout_s:.0f} s")
+        time.sleep(0.05)  # polling a process table, not synchronising a test
+    group.wait_serving(k, timeout_s)
+
+
+def _upsert_parts(plan: Any, shard_ids: tuple[int, ...], n: int, seed: int) -> tuple[str, list[tuple[int, np.ndarray, np.ndarray]]]:
+    """``n`` new rows for cold ids owned only by ``shard_ids``: (table, [(shard, ids, rows)])."""
+    table = max(plan.tables.values(), key=lambda t: t.rows)
+    rng = np.random.default_rng(seed)
+    parts = []
+    per = [n // len(shard_ids) + (i < n % len(shard_ids)) for i in range(len(shard_ids))]
+    for k, m in zip(shard_ids, per):
+        ids = plan.assignment(k, table.name).cold_ids
+        ids = rng.choice(ids, size=min(m, ids.size), replace=False).astype(np.int64)
+        parts.append((k, ids, rng.standard_normal((ids.size, table.dim)).astype(np.float32)))
+    return table.name, parts
+
+
+def _upsert(address: str, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
+    import grpc
+
+    from recserve.rpc.tensors import pack
+    from recserve.v1 import embedding_pb2, embedding_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        req = embedding_pb2.UpsertRequest()
+        req.tables.add(table=table, ids=pack(ids), rows=pack(rows))
+        return int(embedding_pb2_grpc.EmbeddingShardStub(ch).Upsert(req, timeout=30).rows_written)
+
+
+def _read(address: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    import grpc
+
+    from recserve.rpc.tensors import pack, unpack
+    from recserve.v1 import embedding_pb2, embedding_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        req = embedding_pb2.LookupRequest()
+        req.tables.add(table=table, ids=pack(ids))
+        t = embedding_pb2_grpc.EmbeddingShardStub(ch).Lookup(req, timeout=30).tables[0]
+    return unpack(t.found, "found"), unpack(t.rows, "rows")
+
+
+def _fault_upserts(stack: Any, n: int, seed: int, details: dict[str, Any]) -> int:
+    """Fault 5: ``n`` acknowledged rows (batches of 10 rows per Upsert) on shards 0 and 1,
+    SIGKILL both, wait for the supervisor's restarts, read every row back; returns lost rows."""
+    from recserve.sharding.plan import ShardingPlan
+
+    shards = stack.shards
+    table, parts = _upsert_parts(ShardingPlan.load(stack.plan_path), (0, 1), n, seed)
+    acked = 0
+    for k, ids, rows in parts:
+        for lo in range(0, ids.size, 10):  # one RPC per batch of 10: each acknowledged before the next
+            acked += _upsert(shards.address(k), table, ids[lo : lo + 10], rows[lo : lo + 10])
+    pids = {k: shards.pid(k) for k, _, _ in parts}
+    for pid in pids.values():
+        _kill(pid)
+    for k, pid in pids.items():
+        _wait_restarted(shards, k, pid)
+    lost = 0
+    for k, ids, rows in parts:
+        found, got = _read(shards.address(k), table, ids)
+        same = found.astype(bool) & np.all(np.isclose(got, rows), axis=1) if got.shape == rows.shape else np.zeros(ids.size, dtype=bool)
+        lost += int((~same).sum())
+    details["upserts"] = {"table": table, "rows_acknowledged": acked, "rows_read_back": int(sum(p[1].size for p in parts)) - lost}
+    return lost
+
+
+def _fault_disk_full(stack: Any, seed: int, details: dict[str, Any]) -> None:
+    """Fault 6 (start): shard 2's RocksDB writes fail as on a full disk (the fault hook's
+    ``disk_full``): every upsert must fail loudly and leave the old rows; reads go on."""
+    from embedding_server.fault import set_fault
+    from recserve.sharding.plan import ShardingPlan
+
+    address = stack.shards.address(2)
+    table, parts = _upsert_parts(ShardingPlan.load(stack.plan_path), (2,), 20, seed + 1)
+    _, ids, rows = parts[0]
+    _, old = _read(address, table, ids)
+    set_fault(address, disk_full=True)
+    refused = 0
+    for lo in range(0, ids.size, 5):
+        try:
+            _upsert(address, table, ids[lo : lo + 5], rows[lo : lo + 5])
+        except Exception:  # grpc.RpcError: the loud failure the fault must produce
+            refused += 1
+    found, got = _read(address, table, ids)
+    details["disk_full"] = {"upserts_tried": (ids.size + 4) // 5, "upserts_refused": refused, "reads_found": int(found.astype(bool).sum()), "reads_tried": int(ids.size),
+                            "rows_unchanged": int(np.all(got == old, axis=1).sum()) if got.shape == old.shape else 0}  # fmt: skip
+
+
+async def _one_fault(name: str, stack: Any, target: RecordingTarget, args: argparse.Namespace, knee: float, details: dict[str, Any]) -> tuple[dict[str, Any], Records, tuple[float, float, float, float]]:
+    from recserve.loadtest.driver import run_open_loop
+
+    rate = args.load * knee
+    slo_s, timeout_s = args.slo_ms / 1e3, args.timeout_ms / 1e3
+    total_s = args.before + args.during + args.after
+    target.take()
+    target.recording = True
+    t_before = time.monotonic()
+    load = asyncio.ensure_future(run_open_loop(target, rate_rps=rate, duration_s=total_s, slo_s=slo_s, timeout_s=timeout_s, seed=args.seed + FAULTS.index(name)))
+    await asyncio.sleep(args.before)  # the timeline itself
+    t_start = time.monotonic()
+    lost = 0
+    extra: Awaitable[Any] | None = None
+    blocking: Callable[[], Any] | None = None
+    if name == "shard_kill":
+        pid = stack.shards.pid(0)
+        _kill(pid)
+        blocking = lambda: _wait_restarted(stack.shards, 0, pid)  # noqa: E731
+    elif name == "ranker_kill":
+        assert stack.rankers is not None
+        pid = stack.rankers.pid(0)
+        _kill(pid)
+        blocking = lambda: _wait_restarted(stack.rankers, 0, pid)  # noqa: E731
+    elif name == "shard_slow":
+        await asyncio.to_thread(stack.shards.set_fault, 1, delay_ms=SLOW_SHARD_MS)
+    elif name == "burst":
+        extra = run_open_loop(target, rate_rps=(BURST_FACTOR - args.load) * knee, duration_s=args.during, slo_s=slo_s, timeout_s=timeout_s, seed=args.seed + 100)
+    elif name == "upserts":
+        blocking = lambda: _fault_upserts(stack, args.upserts, args.seed, details)  # noqa: E731
+    elif name == "disk_full":
+        blocking = lambda: _fault_disk_full(stack, args.seed, details)  # noqa: E731
+    results = await asyncio.gather(asyncio.sleep(args.during), *(x for x in (extra, asyncio.to_thread(blocking) if blocking else None) if x is not None))
+    if name == "upserts":
+        lost = int(results[-1])
+    if name == "burst":  # the burst stream's own generator: did it hold (3 - load) x the knee?
+        details.setdefault("generator", {})["burst_stream"] = results[1].generator.to_dict()
+    if name == "shard_slow":
+        await asyncio.to_thread(stack.shards.set_fault, 1)
+    if name == "disk_full":
+        await asyncio.to_thread(stack.shards.set_fault, 2)
+    t_end = time.monotonic()
+    summary = await load  # the load runs on past t_end if a restart took longer: "after" shrinks
+    target.recording = False
+    rec = target.take()
+    # The schedule starts a few ms after t_before: its last request may fall past t_before + total_s.
+    t_stop = max(t_end, t_before + total_s, float(rec.sched_s.max()) + 1e-6 if rec.size else 0.0)
+    figures = fault_figures(rec, t_before=t_before, t_start=t_start, t_end=t_end, t_stop=t_stop, slo_s=slo_s, lost_upserts=lost,
+                            knee_rps=knee if name == "burst" else None)  # fmt: skip
+    details.setdefault("generator", {})[name] = summary.generator.to_dict()
+    _log(f"{name}: {figures}")
+    return figures, rec, (t_before, t_start, t_end, t_stop)
+
+
+async def _suite(stack: Any, pool: RequestPool, args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    from recserve.bench.knee import find_knee_async
+    from recserve.loadtest.driver import run_open_loop
+
+    target = RecordingTarget([stack.cascade.address], pool, timeout_s=args.timeout_ms / 1e3)
+    await target.start()
+    meta: dict[str, Any] = {"faults_run": names, "load_fraction": args.load, "before_s": args.before, "during_s": args.during, "after_s": args.after}
+    try:
+        if args.knee_rps > 0:
+            knee = float(args.knee_rps)
+            meta["knee"] = {"knee_per_s": knee, "status": "GIVEN"}
+        else:
+            async def probe(rate: float) -> Any:
+                s = await run_open_loop(target, rate_rps=rate, duration_s=args.probe_s, slo_s=args.slo_ms / 1e3, timeout_s=args.timeout_ms / 1e3)
+                _log(f"knee probe {rate:,.1f}/s: ok {s.ok}/{s.requests}")
+                return s.probe()
+
+            result = await find_knee_async(probe, lo_rps=args.knee_lo, hi_rps=args.knee_hi)
+            meta["knee"] = result.to_dict()
+            knee = float(result.knee_per_s or args.knee_lo)
+        _log(f"knee {knee:,.1f}/s; load {args.load * knee:,.1f}/s")
+        faults: dict[str, dict[str, Any]] = {}
+        records: dict[str, Records] = {}
+        windows: dict[str, tuple[float, float, float, float]] = {}
+        for name in names:
+            faults[name], records[name], windows[name] = await _one_fault(name, stack, target, args, knee, meta)
+    finally:
+        await target.aclose()
+    total = total_figures(faults, records, windows, slo_s=args.slo_ms / 1e3)
+    png = args.out / "faults.png"
+    _plot(png, records, windows, slo_s=args.slo_ms / 1e3)
+    meta["timeline_png"] = str(png)
+    return {"faults": faults, "total": total, "meta": meta}
+
+
+def _plot(path: Path, records: dict[str, Records], windows: dict[str, tuple[float, float, float, float]], *, slo_s: float) -> None:
+    """PNG: goodput, p99 and shed per second over the whole suite, each fault's window shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(11, 7), sharex=True, constrained_layout=True)
+    origin = min(w[0] for w in windows.values())
+    for name, rec in records.items():
+        t0, t1, t2, t3 = windows[name]
+        tl = timeline(rec, t0=t0, t1=t3, slo_s=slo_s)
+        x = tl["t_s"] + (t0 - origin)
+        for ax, key in zip(axes, ("goodput_rps", "p99_ms", "shed_rps")):
+            ax.plot(x, tl[key], color="tab:blue")
+            ax.axvspan(t1 - origin, t2 - origin, color="tab:red", alpha=0.15)
+        axes[0].annotate(name, (t1 - origin, 0), fontsize="small", xytext=(2, 2), textcoords="offset points")
+    for ax, label in zip(axes, ("goodput (OK/s)", "p99 (ms)", "shed (/s)")):
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes[-1].set_xlabel("seconds (faults shaded)")
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def run_suite(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
+    """Start the world and the cluster, run the faults, stop everything; the report."""
+    import shutil
+
+    from ranker.scrubbed import open_scrubbed
+    from recserve.bench.recall import _world
+
+    catalog, models, _ = _world(args)
+    run_dir = args.out / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    pool = RequestPool.from_catalog(open_scrubbed(catalog), size=args.pool_size, candidates=16, seed=args.seed)
+    stack = _start_stack(args, models, run_dir)
+    try:
+        return asyncio.run(_suite(stack, pool, args, names))
+    finally:
+        stack.stop()

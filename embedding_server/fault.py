@@ -142,7 +142,10 @@ class FaultInjector:
                 self.set(Fault.from_json(request))
             except InvalidArgument as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
-            return json.dumps(dataclasses.asdict(self.fault)).encode()
+            reply = dataclasses.asdict(self.fault)
+            if not self.fault.disk_full:
+                del reply["disk_full"]  # the reply callers knew before disk_full existed
+            return json.dumps(reply).encode()
 
         return grpc.method_handlers_generic_handler(SERVICE, {"Set": grpc.unary_unary_rpc_method_handler(set_fault)})
 

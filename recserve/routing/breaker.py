@@ -24,9 +24,10 @@ Two ways to use a half-open destination:
   A probe permit that gets no result within ``open_s`` (its caller went away) is given
   back, so a lost probe cannot wedge a breaker half-open forever.
 
-Which failures count is the caller's decision: the lookup client and the router count
-only retryable statuses (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED); a replica
-that answers INVALID_ARGUMENT is healthy.
+Which failures count is the caller's decision: the lookup client counts the retryable
+statuses (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED); the replica router counts
+UNAVAILABLE and DEADLINE_EXCEEDED only, since a replica shedding load with
+RESOURCE_EXHAUSTED is alive. A replica that answers INVALID_ARGUMENT is healthy.
 """
 
 from __future__ import annotations

@@ -234,10 +234,13 @@ class Router:
     def on_result(self, replica: str, code: grpc.StatusCode | None, latency_s: float | None, now: float, *, cost: float = 1.0) -> None:
         """Report how a picked call ended.
 
-        ``code``: its status (``OK`` or None for success). A retryable status
-        (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED) counts against the
-        replica's breaker; CANCELLED (the caller's own cancellation) changes no state
-        but frees a half-open probe permit; any other status is an answer
+        ``code``: its status (``OK`` or None for success). UNAVAILABLE and
+        DEADLINE_EXCEEDED count against the replica's breaker. RESOURCE_EXHAUSTED is a
+        live replica shedding work it cannot finish in time (issue 17's admission): no
+        verdict on its health, or every replica of a fleet under overload would open its
+        breaker at once and a short burst would become a full outage; it frees a probe
+        permit and records no latency (a refusal is fast). CANCELLED (the caller's own
+        cancellation) changes no state but frees a half-open probe permit; any other status is an answer
         (INVALID_ARGUMENT comes from a healthy replica) and closes it. ``latency_s`` feeds the hedge delay for
         answers and for deadline-exceeded calls (the time waited, a lower bound), not
         for fast UNAVAILABLE refusals, which would make a dead replica look quick;
@@ -251,6 +254,10 @@ class Router:
         held_permit = self._unpermitted[i] == 0
         if not held_permit:
             self._unpermitted[i] -= 1
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            if held_permit:
+                self.breakers.release(i)
+            return
         if code == grpc.StatusCode.CANCELLED:
             # Our own cancellation (a hedge that lost, a caller gone) says nothing about
             # the replica's health; the time waited is still a lower bound on latency.

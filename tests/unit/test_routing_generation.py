@@ -101,3 +101,16 @@ def test_session_keys_stick_ignore_load_and_fall_back_clockwise_only_for_the_dow
     assert first == down
     router.on_answer(first, 0.003, 2.02)
     assert {k: router.pick(2.03, key=k, cost=0.0) for k in keys} == owners
+
+
+def test_a_shedding_replica_is_no_breaker_verdict() -> None:
+    """RESOURCE_EXHAUSTED (admission shedding) from a live replica never opens its
+    breaker, however many in a row; UNAVAILABLE does (the control)."""
+    router = Router(["a:1", "b:1"], RoutingConfig(breaker_failures=3), rng=np.random.default_rng(0))
+    for k in range(10):
+        router.pick(float(k), cost=1.0)
+        router.on_result("a:1", grpc.StatusCode.RESOURCE_EXHAUSTED, 0.001, float(k))
+    assert router.state("a:1", 10.0) is BreakerState.CLOSED
+    for k in range(3):
+        router.on_result("a:1", grpc.StatusCode.UNAVAILABLE, 0.001, 11.0 + k)
+    assert router.state("a:1", 13.2) is BreakerState.OPEN  # opened at 13.0 for breaker_open_ms (500 ms)

@@ -47,12 +47,17 @@ class AdmissionConfig:
     # service time (reference §10.11.10): without it an overloaded EDF queue runs every
     # item right at its deadline and most of them miss it. False: queue bounds only.
     shed_by_slack: bool = True
+    # Batches measured before the slack check may shed: the first batches of a fresh
+    # process pay lazy initialisation (torch kernels, caches, connections), and an
+    # estimate from them alone shed a cold ranker's healthy traffic (bench recall).
+    shed_after_batches: int = 8
 
     def __post_init__(self) -> None:
         require(self.max_queued_items >= 1, "admission.max_queued_items", self.max_queued_items, "use at least 1 item")
         require(self.max_queued_cost > 0, "admission.max_queued_cost", self.max_queued_cost, "use a positive cost (math.inf for no bound)")
         names = [t.name for t in self.tenants]
         require(len(set(names)) == len(names), "admission.tenants", names, "list each tenant once")
+        require(self.shed_after_batches >= 1, "admission.shed_after_batches", self.shed_after_batches, "use at least 1 measured batch")
         require(self.rate_burst_s > 0, "admission.rate_burst_s", self.rate_burst_s, "use a positive burst length in seconds")
         require(0 < self.min_retry_after_s <= self.max_retry_after_s, "admission.min_retry_after_s", self.min_retry_after_s,
                 f"use 0 < min_retry_after_s <= max_retry_after_s ({self.max_retry_after_s})")

@@ -107,7 +107,7 @@ class Scheduler:
             )
         queue = self._queue
         try:
-            if item.deadline < _INF and self.service.count:  # nothing to estimate before the first batch
+            if item.deadline < _INF and self.service.count >= self.admission.config.shed_after_batches:  # a warm estimate only
                 self._shed_check(item, now)
             quota = self.admission.admit(item.tenant, cost, queue.count, queue.cost, now)
         except RecserveError:

@@ -83,7 +83,8 @@ def test_the_slack_check_answers_resource_exhausted_with_a_retry_after_trailer()
         policy = FeatureParallelPolicy(FeatureParallelConfig(window_ms=0.0, max_cost=1.0, dispatch_margin_ms=0.0))
         loop = ServingLoop(Scheduler(policy), runner, max_inflight=1, name="shed-test")
         loop.start()
-        loop.scheduler.service.observe(1.0, 0.5)  # as if every batch took 500 ms
+        for _ in range(loop.scheduler.admission.config.shed_after_batches):  # as if every (warm) batch took 500 ms
+            loop.scheduler.service.observe(1.0, 0.5)
 
         submitted = 0
         four_in = asyncio.Event()

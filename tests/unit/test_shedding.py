@@ -27,13 +27,16 @@ def item(rid: str, deadline: float) -> WorkItem:
     return WorkItem(rid, "t", Priority.STANDARD, deadline, 1.0, payload=rid)
 
 
-def warm(sched: Scheduler, now: float = 0.0) -> float:
-    """Run one batch that takes SERVICE_S, so the service-time estimate is known."""
-    sched.add(item("warm", deadline=now + 10.0), now)
-    batch = sched.schedule(now)
-    assert batch is not None
-    sched.complete(batch, [Done(None)], now + SERVICE_S)
-    return now + SERVICE_S
+def warm(sched: Scheduler, now: float = 0.0, batches: int | None = None) -> float:
+    """Run ``batches`` (default: the admission's ``shed_after_batches``, after which the
+    slack check may shed) batches of SERVICE_S each, so the service-time estimate is known."""
+    for k in range(sched.admission.config.shed_after_batches if batches is None else batches):
+        sched.add(item(f"warm{k}", deadline=now + 10.0), now)
+        batch = sched.schedule(now)
+        assert batch is not None
+        sched.complete(batch, [Done(None)], now + SERVICE_S)
+        now += SERVICE_S
+    return now
 
 
 def test_a_request_whose_slack_is_below_queue_wait_plus_service_is_shed_with_a_retry_hint() -> None:
@@ -140,7 +143,8 @@ def test_shed_refusal_reaches_a_serving_loop_caller_synchronously() -> None:
         loop.start()
         try:
             sched = loop.scheduler
-            sched.service.observe(1.0, SERVICE_S)  # a known 10 ms per batch
+            for _ in range(sched.admission.config.shed_after_batches):  # a known (warm) 10 ms per batch
+                sched.service.observe(1.0, SERVICE_S)
             for i in range(10):
                 sched.add(item(f"q{i}", deadline=10.0), 0.0)  # straight into the core: nothing runs yet
             with pytest.raises(ResourceExhausted):
@@ -149,3 +153,18 @@ def test_shed_refusal_reaches_a_serving_loop_caller_synchronously() -> None:
             await loop.aclose(drain=False)
 
     asyncio.run(main())
+
+
+def test_a_cold_scheduler_does_not_shed_on_its_first_batches() -> None:
+    """The first batches of a fresh process pay lazy initialisation: one slow first batch
+    must not make the slack check shed healthy traffic until shed_after_batches are seen."""
+    sched = one_at_a_time(AdmissionConfig(shed_after_batches=3))
+    now = warm(sched, batches=2)
+    for i in range(10):
+        sched.add(item(f"q{i}", deadline=now + 10.0), now)
+    sched.add(item("tight", deadline=now + 0.05), now)  # would be shed with a warm estimate
+    assert sched.shed == 0
+    now = warm(sched, now, batches=1)  # the third measured batch: the estimate is warm
+    with pytest.raises(ResourceExhausted):
+        sched.add(item("tight2", deadline=now + 0.05), now)
+    assert sched.shed == 1

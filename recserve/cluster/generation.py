@@ -22,9 +22,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 
-from recserve.cluster.group import ProcessGroup, health_watch, launch_env
+from recserve.cluster.group import GroupLauncher, ProcessGroup, health_watch, launch_env
 from recserve.config.spec import TlsConfig
 from recserve.errors import ConfigError
 
@@ -33,7 +32,7 @@ GENERATION_HEALTH_SERVICE = "recserve.v1.Generation"
 GENERATION_THREADS = 1
 
 
-class GenerationCluster:
+class GenerationCluster(GroupLauncher):
     """``num_replicas`` generation processes configured by the spec at ``config_path``.
 
     ``env``: extra environment on top of this process's; ``extra_args``: appended to every
@@ -75,57 +74,6 @@ class GenerationCluster:
             start_timeout_s=start_timeout_s, health_service=GENERATION_HEALTH_SERVICE, host=host, ports=ports, metrics_port=metrics_port,
             health=health_watch(tls),
         )  # fmt: skip
-
-    # -- lifecycle -----------------------------------------------------------------
-
-    def __enter__(self) -> GenerationCluster:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-
-    def start(self, *, wait: bool = True) -> None:
-        """Start every replica (they load concurrently); wait until all are SERVING unless
-        ``wait`` is False (they are listening, with known addresses, either way)."""
-        self._group.start(wait=wait)
-
-    def stop(self, k: int | None = None) -> None:
-        """SIGTERM replica ``k`` (default: all): graceful, streams in flight drain; SIGKILL
-        whatever outlives the grace."""
-        self._group.stop(k)
-
-    def kill(self, k: int) -> None:
-        """SIGKILL replica ``k`` and reap it; its port is kept for :meth:`restart`."""
-        self._group.kill(k)
-
-    def restart(self, k: int, *, wait: bool = True) -> None:
-        """Start replica ``k`` again on its previous port (stopping it first if alive)."""
-        self._group.restart(k, wait=wait)
-
-    def wait_serving(self, k: int, timeout_s: float | None = None) -> None:
-        """Block until replica ``k`` reports SERVING, raising Unavailable (with its log
-        tail) if it exits first or the timeout (default ``start_timeout_s``) passes."""
-        self._group.wait_serving(k, timeout_s)
-
-    # -- addresses and helpers -------------------------------------------------------
-
-    @property
-    def addresses(self) -> list[str]:
-        return self._group.addresses
-
-    def address(self, k: int) -> str:
-        return self._group.address(k)
-
-    def metrics_url(self, k: int) -> str | None:
-        """Replica ``k``'s Prometheus endpoint (``http://HOST:PORT/metrics``; None: metrics_port -1)."""
-        return self._group.metrics_url(k)
-
-    def pid(self, k: int) -> int:
-        return self._group.pid(k)
-
-    def log_path(self, k: int) -> Path:
-        return self._group.log_path(k)
 
     # -- internals -------------------------------------------------------------------
 

@@ -33,7 +33,8 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from types import TracebackType
+from typing import Protocol, Self
 
 from recserve.cluster.process import STOP_GRACE_S, spawn_child
 from recserve.config.spec import NO_METRICS_PORT, TlsConfig, require_metrics_port
@@ -343,3 +344,61 @@ class ProcessGroup:
             self._sleep(PORT_POLL_S)
         # Written atomically (tmp + rename) by the server: an existing file is whole.
         return int(port_file.read_text())
+
+
+class GroupLauncher:
+    """What the multi-member launchers (shards, rankers, generation replicas) share: the
+    lifecycle and addresses of their :class:`ProcessGroup` ``_group``, member ``k`` by
+    member. A subclass builds ``_group`` with its own command line and environment (and
+    may add its own helpers, e.g. the shards' data directories). Usable as a context
+    manager: every member started on entry, all stopped on exit."""
+
+    _group: ProcessGroup
+
+    def __enter__(self) -> Self:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop()
+
+    def start(self, *, wait: bool = True) -> None:
+        """Start every member (they load concurrently); wait until all are SERVING unless
+        ``wait`` is False (they are listening, with known addresses, either way)."""
+        self._group.start(wait=wait)
+
+    def stop(self, k: int | None = None) -> None:
+        """SIGTERM member ``k`` (default: all): graceful, in-flight calls drain; SIGKILL
+        whatever outlives the grace."""
+        self._group.stop(k)
+
+    def kill(self, k: int) -> None:
+        """SIGKILL member ``k`` and reap it; its port (and data) are kept for :meth:`restart`."""
+        self._group.kill(k)
+
+    def restart(self, k: int, *, wait: bool = True) -> None:
+        """Start member ``k`` again on its previous port (stopping it first if alive)."""
+        self._group.restart(k, wait=wait)
+
+    def wait_serving(self, k: int, timeout_s: float | None = None) -> None:
+        """Block until member ``k`` reports SERVING (health Watch stream, no polling),
+        raising Unavailable (with its log tail) if it exits first or the timeout
+        (default: the group's start timeout) passes."""
+        self._group.wait_serving(k, timeout_s)
+
+    @property
+    def addresses(self) -> list[str]:
+        return self._group.addresses
+
+    def address(self, k: int) -> str:
+        return self._group.address(k)
+
+    def metrics_url(self, k: int) -> str | None:
+        """Member ``k``'s Prometheus endpoint (``http://HOST:PORT/metrics``; None: metrics_port -1)."""
+        return self._group.metrics_url(k)
+
+    def pid(self, k: int) -> int:
+        return self._group.pid(k)
+
+    def log_path(self, k: int) -> Path:
+        return self._group.log_path(k)

@@ -26,9 +26,8 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 
-from recserve.cluster.group import ADMIN_TOKEN_ENV, ProcessGroup, health_watch, launch_env
+from recserve.cluster.group import ADMIN_TOKEN_ENV, GroupLauncher, ProcessGroup, health_watch, launch_env
 from recserve.config.spec import TlsConfig
 from recserve.errors import ConfigError
 
@@ -40,7 +39,7 @@ RANKING_HEALTH_SERVICE = "recserve.v1.Ranking"
 RANKER_THREADS = 1
 
 
-class RankerCluster:
+class RankerCluster(GroupLauncher):
     """``num_rankers`` ranker processes serving ``models_dir`` from ``shard_addresses``
     (empty: the spec's ``shard_addresses``), configured by the spec at ``config_path``.
 
@@ -97,57 +96,6 @@ class RankerCluster:
             start_timeout_s=start_timeout_s, health_service=RANKING_HEALTH_SERVICE, host=host, ports=ports, metrics_port=metrics_port,
             health=health_watch(tls),
         )  # fmt: skip
-
-    # -- lifecycle -----------------------------------------------------------------
-
-    def __enter__(self) -> RankerCluster:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-
-    def start(self, *, wait: bool = True) -> None:
-        """Start every ranker (they load concurrently); wait until all are SERVING unless
-        ``wait`` is False (they are listening, with known addresses, either way)."""
-        self._group.start(wait=wait)
-
-    def stop(self, k: int | None = None) -> None:
-        """SIGTERM ranker ``k`` (default: all): graceful, in-flight calls drain; SIGKILL
-        whatever outlives the grace."""
-        self._group.stop(k)
-
-    def kill(self, k: int) -> None:
-        """SIGKILL ranker ``k`` and reap it; its port is kept for :meth:`restart`."""
-        self._group.kill(k)
-
-    def restart(self, k: int, *, wait: bool = True) -> None:
-        """Start ranker ``k`` again on its previous port (stopping it first if alive)."""
-        self._group.restart(k, wait=wait)
-
-    def wait_serving(self, k: int, timeout_s: float | None = None) -> None:
-        """Block until ranker ``k`` reports SERVING, raising Unavailable (with its log
-        tail) if it exits first or the timeout (default ``start_timeout_s``) passes."""
-        self._group.wait_serving(k, timeout_s)
-
-    # -- addresses and helpers -------------------------------------------------------
-
-    @property
-    def addresses(self) -> list[str]:
-        return self._group.addresses
-
-    def address(self, k: int) -> str:
-        return self._group.address(k)
-
-    def metrics_url(self, k: int) -> str | None:
-        """Ranker ``k``'s Prometheus endpoint (``http://HOST:PORT/metrics``; None: metrics_port -1)."""
-        return self._group.metrics_url(k)
-
-    def pid(self, k: int) -> int:
-        return self._group.pid(k)
-
-    def log_path(self, k: int) -> Path:
-        return self._group.log_path(k)
 
     # -- internals -------------------------------------------------------------------
 

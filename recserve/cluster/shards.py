@@ -23,10 +23,9 @@ import logging
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
-from recserve.cluster.group import ADMIN_TOKEN_ENV, PORT_POLL_S, REPO_ROOT, ProcessGroup, launch_env
+from recserve.cluster.group import ADMIN_TOKEN_ENV, PORT_POLL_S, REPO_ROOT, GroupLauncher, ProcessGroup, launch_env
 from recserve.config.spec import ShardServerConfig
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,7 @@ def shard_data_dir(data_root: str | Path, k: int) -> Path:
     return Path(data_root) / f"shard-{k}"
 
 
-class ShardCluster:
+class ShardCluster(GroupLauncher):
     """``num_shards`` shard processes serving ``plan_path`` (default: all of the plan's)."""
 
     def __init__(
@@ -93,45 +92,11 @@ class ShardCluster:
         self._group = ProcessGroup("shard", self.data_root, num_shards, command=self._command, env=self._env, start_timeout_s=start_timeout_s,
                                    host=host, ports=ports, metrics_port=server.metrics_port)  # fmt: skip
 
-    # -- lifecycle -----------------------------------------------------------------
-
-    def __enter__(self) -> ShardCluster:
-        self.start()
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        self.stop()
-
-    def start(self, *, wait: bool = True) -> None:
-        """Start every shard (in parallel); wait until all are SERVING unless ``wait``
-        is False (they are listening, with known addresses, either way)."""
-        self._group.start(wait=wait)
-
-    def stop(self, k: int | None = None) -> None:
-        """SIGTERM shard ``k`` (default: all), SIGKILL whatever outlives the grace."""
-        self._group.stop(k)
-
-    def kill(self, k: int) -> None:
-        """SIGKILL shard ``k`` and reap it; its port and data directory are kept."""
-        self._group.kill(k)
-
-    def restart(self, k: int, *, wait: bool = True) -> None:
-        """Start shard ``k`` again on its previous port (stopping it first if alive)."""
-        self._group.restart(k, wait=wait)
-
-    def wait_serving(self, k: int, timeout_s: float | None = None) -> None:
-        """Block until shard ``k``'s health is SERVING (health Watch stream, so no polling
-        interval), raising Unavailable if the process dies or the timeout passes."""
-        self._group.wait_serving(k, timeout_s)
-
-    # -- addresses and helpers ---------------------------------------------------------
+    # -- addresses and helpers (start / stop / kill / restart: GroupLauncher) --------
 
     @property
     def addresses(self) -> list[str]:
         return [self.address(k) for k in range(self.num_shards)]
-
-    def address(self, k: int) -> str:
-        return self._group.address(k)
 
     @property
     def client_addresses(self) -> list[str]:
@@ -144,18 +109,8 @@ class ShardCluster:
     def _socket_path(self, k: int) -> Path:
         return (self.data_root / f"shard-{k}.sock").resolve()
 
-    def metrics_url(self, k: int) -> str | None:
-        """Shard ``k``'s Prometheus endpoint (``http://HOST:PORT/metrics``; None: metrics_port -1)."""
-        return self._group.metrics_url(k)
-
-    def pid(self, k: int) -> int:
-        return self._group.pid(k)
-
     def data_dir(self, k: int) -> Path:
         return shard_data_dir(self.data_root, k)
-
-    def log_path(self, k: int) -> Path:
-        return self._group.log_path(k)
 
     def set_fault(self, k: int, *, delay_ms: float = 0.0, code: str = "", methods: Sequence[str] = (), count: int = -1) -> dict[str, Any]:
         """Set (no arguments: clear) the injected fault of shard ``k`` (needs fault_hook)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
 
 from recserve.errors import ConfigError
 from recserve.errors import require as _require

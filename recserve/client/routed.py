@@ -321,6 +321,30 @@ class RoutedCalls:
             out = min(out, self.clock() + timeout_s)
         return out
 
+    def _next_attempt(
+        self, method: str, deadline: float, cost: float, key: str | None, retry_of: str | None, attempts: int, failure: str
+    ) -> tuple[float, str, float | None]:
+        """The next attempt of a routed call (unary or stream): DEADLINE_EXCEEDED once the
+        deadline has passed, else the replica the router picks (by ``key`` affinity when
+        given; Unavailable naming the last failure when every breaker is open), counted in
+        the stats. Returns (now, replica, the attempt's timeout in s; None: no deadline)."""
+        now = self.clock()
+        remaining = deadline - now
+        if remaining <= 0:
+            raise DeadlineExceeded(
+                f"{self.what} {method}: the deadline passed {-remaining * 1e3:.1f} ms ago"
+                + (f", after {attempts} attempts (last on {retry_of})" if attempts else ", before the first attempt")
+            )
+        try:
+            replica = self.router.pick(now, key=key, cost=cost, retry_of=retry_of)
+        except Unavailable as exc:  # every breaker open: fail fast, naming the first failure
+            if retry_of is None:
+                raise
+            raise Unavailable(f"{exc.message}; after {failure}", retry_after_s=exc.retry_after_s) from None
+        self.stats.attempts += 1
+        self.stats.retries += retry_of is not None
+        return now, replica, None if math.isinf(remaining) else remaining
+
     async def call(
         self,
         method: str,
@@ -349,23 +373,8 @@ class RoutedCalls:
         failure = ""  # the last failed attempt, for the message
         attempts = 0
         while True:
-            now = self.clock()
-            remaining = deadline - now
-            if remaining <= 0:
-                raise DeadlineExceeded(
-                    f"{self.what} {method}: the deadline passed {-remaining * 1e3:.1f} ms ago"
-                    + (f", after {attempts} attempts (last on {retry_of})" if attempts else ", before the first attempt")
-                )
-            try:
-                replica = router.pick(now, cost=cost, retry_of=retry_of)
-            except Unavailable as exc:  # every breaker open: fail fast, naming the first failure
-                if retry_of is None:
-                    raise
-                raise Unavailable(f"{exc.message}; after {failure}", retry_after_s=exc.retry_after_s) from None
+            now, replica, timeout = self._next_attempt(method, deadline, cost, None, retry_of, attempts, failure)
             attempts += 1
-            self.stats.attempts += 1
-            self.stats.retries += retry_of is not None
-            timeout = None if math.isinf(remaining) else remaining
             request = build(make_header(timeout_s=timeout, tenant=tenant, priority=priority, request_id=request_id))
             rpc = getattr(self._stubs[replica], method)(request, timeout=timeout, **_forwarded(self._own_metadata))
             # Anything escaping the await other than a status (the caller's cancellation,
@@ -427,23 +436,8 @@ class RoutedCalls:
         failure = ""
         attempts = 0
         while True:
-            now = self.clock()
-            remaining = deadline - now
-            if remaining <= 0:
-                raise DeadlineExceeded(
-                    f"{self.what} {method}: the deadline passed {-remaining * 1e3:.1f} ms ago"
-                    + (f", after {attempts} attempts (last on {retry_of})" if attempts else ", before the first attempt")
-                )
-            try:
-                replica = router.pick(now, key=key, cost=cost, retry_of=retry_of)
-            except Unavailable as exc:
-                if retry_of is None:
-                    raise
-                raise Unavailable(f"{exc.message}; after {failure}", retry_after_s=exc.retry_after_s) from None
+            now, replica, timeout = self._next_attempt(method, deadline, cost, key, retry_of, attempts, failure)
             attempts += 1
-            self.stats.attempts += 1
-            self.stats.retries += retry_of is not None
-            timeout = None if math.isinf(remaining) else remaining
             header = make_header(timeout_s=timeout, tenant=tenant, priority=priority, request_id=request_id)
             header.session_key = session_key
             rpc = getattr(self._stubs[replica], method)(build(header), timeout=timeout, **_forwarded(self._own_metadata))

@@ -44,7 +44,8 @@ from cascade.serving_log import ServingLog
 from cascade.sources import PopularByCategory, merge_candidates, recent_categories
 from recserve.client import RankingClient
 from recserve.config.spec import CascadeConfig, ClusterConfig, TlsConfig
-from recserve.errors import DeadlineExceeded, FailedPrecondition, InvalidArgument, RecserveError, ResourceExhausted, Unavailable
+from recserve.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, RecserveError, ResourceExhausted, Unavailable
+from recserve.scheduling import AdmissionConfig, Batch, Done, DynamicBatchConfig, DynamicBatchPolicy, Failed, ItemStatus, Scheduler, ServingLoop
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +119,20 @@ class CascadeCore:
         self.requests = 0
         # The impression log (cascade/serving_log.py): injected, or cascade.log_path (None when "").
         self.serving_log = serving_log if serving_log is not None else ServingLog.from_config(config)
+        # The door: calls one at a time through the scheduler core, up to max_concurrent
+        # running; its admission sheds a call whose slack is below the queue wait ahead
+        # plus a call's measured duration (recserve/scheduling/core.py). Started by the
+        # first call, on its event loop, so the core can be built outside one.
+        self.door = self._new_door()
+        self._door_loop: asyncio.AbstractEventLoop | None = None
+
+    def _new_door(self) -> ServingLoop:
+        policy = DynamicBatchPolicy(DynamicBatchConfig(max_batch_cost=1.0, max_wait_ms=0.0, adaptive=False))
+        scheduler = Scheduler(policy, AdmissionConfig(shed_by_slack=self.config.shed_by_slack))
+        return ServingLoop(scheduler, self._run_door, self.config.max_concurrent, clock=self.clock, name="cascade")
 
     async def aclose(self) -> None:
+        await self.door.aclose()  # drains the calls already admitted
         await self.client.aclose()
         self._executor.shutdown(wait=True)
         if self.serving_log is not None:  # writes what is still queued
@@ -149,8 +162,38 @@ class CascadeCore:
         return RecommendQuery(user_id, k, exclude, recent, deadline, tenant, priority, request_id)
 
     async def recommend(self, q: RecommendQuery, *, trace: dict[Stage, np.ndarray] | None = None) -> Recommendation:
-        """Run ``q`` through L0-L3. ``trace`` (benchmarks: ``recserve bench recall``), when
-        given, receives each stage's output ids in order (int64 ``[n_stage]``)."""
+        """Run ``q`` through the door, then L0-L3. Raises ResourceExhausted (with a retry
+        hint) when it is shed, DeadlineExceeded when its deadline passes before it starts
+        (no stage runs). ``trace`` (benchmarks: ``recserve bench recall``), when given,
+        receives each stage's output ids in order (int64 ``[n_stage]``)."""
+        loop = asyncio.get_running_loop()
+        if self._door_loop is not loop:  # the first call (or, in tests, a new event loop)
+            if self._door_loop is not None:
+                self.door = self._new_door()
+            self.door.start()
+            self._door_loop = loop
+        result: Recommendation = await self.door.submit((q, trace), deadline=q.deadline, tenant=q.tenant, priority=q.priority,
+                                                        request_id=q.request_id or None)  # fmt: skip
+        return result
+
+    async def _run_door(self, batch: Batch) -> list[Done | Failed]:
+        """The door's runner: one call per batch (max_batch_cost 1)."""
+        handle = batch.handles[0]
+        q, trace = handle.item.payload
+        try:
+            return [Done(await self._recommend(q, trace, cancelled=lambda: handle.status is ItemStatus.CANCELLED))]
+        except RecserveError as exc:
+            return [Failed(exc)]
+
+    async def _recommend(self, q: RecommendQuery, trace: dict[Stage, np.ndarray] | None, *,
+                         cancelled: Callable[[], bool] = lambda: False) -> Recommendation:  # fmt: skip
+        """L0-L3. A call its caller cancelled stops at the next stage boundary (its
+        answer would be discarded; the rankers' time is better spent on live calls)."""
+
+        def check() -> None:
+            if cancelled():
+                raise Cancelled(f"request {q.request_id or q.user_id}: cancelled by its caller; later stages not run")
+
         budget = self.planner.open(q.deadline, self.clock())  # DEADLINE_EXCEEDED before any stage
         sizes = stage_sizes_for(self.config, self.view.num_items, q.k)
         history = self.view.history(q.user_id)
@@ -158,12 +201,14 @@ class CascadeCore:
         cold = q.user_id >= self.view.num_users
         reports: list[StageReport] = []
         order, user_vector, index_version, cold = await self._l0(q, budget, sizes.l0, history, seen, cold, reports)
+        check()
         if trace is not None:
             trace[Stage.L0] = order.ids
         order = self._l1(budget, order, user_vector, cold, sizes.l1, reports)
         if trace is not None:
             trace[Stage.L1] = order.ids
         order = await self._rank_stage(Stage.L2, "dlrm", q, budget, order, sizes.l2, reports)
+        check()
         if trace is not None:
             trace[Stage.L2] = order.ids
         order = await self._rank_stage(Stage.L3, "l3", q, budget, order, sizes.l3, reports)

@@ -449,6 +449,14 @@ class CascadeConfig:
     cost_prior_fixed_ms: tuple[float, float, float, float] = (2.0, 1.0, 5.0, 5.0)
     cost_prior_per_item_us: tuple[float, float, float, float] = (0.5, 1.0, 20.0, 100.0)
     probe_after_skips: int = 5  # 50 kept a stage skipped after one cold sample for 50 requests (bench recall)
+    # The door (cascade/service.py): Recommend calls run at most this many at once; the
+    # rest queue (EDF), and one whose slack is below the estimated queue wait plus a
+    # call's service time is shed at once with RESOURCE_EXHAUSTED and a retry hint.
+    # Without it an overload queues every call in the event loop and runs it into its
+    # deadline. Enough to keep the rankers' batches full (their batching needs concurrent
+    # calls); more only moves the queue downstream, where it degrades answers instead.
+    max_concurrent: int = 8
+    shed_by_slack: bool = True
     # L0: the index (validated by cascade/index.py, which knows faiss) and the popular source.
     index_factory: str = "auto"  # "auto" | "Flat" | "IVF{n},Flat" | "IVF{n},PQ{m}" | "HNSW{M}"
     nprobe: int = 0  # 0 = the index's default (or what the stage budget allows)
@@ -480,6 +488,7 @@ class CascadeConfig:
             v = getattr(self, key)
             _require(len(v) == 4 and all(math.isfinite(x) and x >= 0 for x in v), f"cascade.{key}", v, "give 4 finite costs >= 0 (L0..L3)")
         _require(self.probe_after_skips >= 0, "cascade.probe_after_skips", self.probe_after_skips, "use >= 0 skips (0 = never probe)")
+        _require(1 <= self.max_concurrent <= 4096, "cascade.max_concurrent", self.max_concurrent, "use 1..4096 Recommend calls at once")
         _require(bool(self.index_factory) and not any(c.isspace() for c in self.index_factory), "cascade.index_factory", self.index_factory,
                  "use \"auto\" or a faiss factory string without spaces: Flat, IVF{n},Flat, IVF{n},PQ{m}, HNSW{M}")
         _require(self.nprobe >= 0, "cascade.nprobe", self.nprobe, "use 0 (the index's default) or a positive list count")
@@ -500,7 +509,7 @@ class GatewayConfig:
       shorten it. The earlier of the two is the absolute deadline sent downstream.
     * ``max_body_bytes``: a larger request body is refused (400) before it is read whole.
     * ``max_concurrency``: requests in flight in the process, all tenants together; one
-      more is refused at once with 503 and ``Retry-After`` (the tenant caps are
+      more is refused at once with 429 and ``Retry-After`` (the tenant caps are
       ``[[tenants]] max_concurrent_requests``).
     * ``api_key_header``: the header carrying a tenant's API key.
     """

@@ -477,9 +477,10 @@ class Scheduler:
     def estimated_wait_s(self) -> tuple[float, float]:
         """``(queue wait, service)`` in seconds a request added now should expect: the
         batches ahead of it (queued items / mean batch size, plus those running) times
-        the mean service time per batch, divided by :attr:`parallelism`; and the service-time
-        fit at the mean batch cost (its own batch). Conservative for a request whose
-        deadline or priority puts it ahead of part of the queue (EDF): it counts the
+        the mean service time per batch, divided by :attr:`parallelism`, less the slots
+        still free (with a free slot and nothing queued it starts at once: 0); and the
+        service-time fit at the mean batch cost (its own batch). Conservative for a request
+        whose deadline or priority puts it ahead of part of the queue (EDF): it counts the
         whole queue, which costs O(1), not a scan."""
         m = self.metrics
         service = self.service
@@ -488,13 +489,20 @@ class Scheduler:
         mean_size = sizes.total / sizes.count if sizes.count else 1.0
         mean_cost = costs.total / costs.count if costs.count else 0.0
         batches_ahead = self._queue.count / max(1.0, mean_size) + len(self._inflight)  # running ones hold the slots
-        wait_s = mean_s * batches_ahead / self.parallelism
+        # Its batch starts once all but parallelism - 1 of those ahead have finished.
+        wait_s = mean_s * max(0.0, batches_ahead - (self.parallelism - 1)) / self.parallelism
         return wait_s, max(mean_s, service.estimate_s(mean_cost))
 
     def _shed_check(self, item: WorkItem, now: float) -> None:
         """Shed ``item`` (ResourceExhausted) if its slack is below the estimated queue
         wait + service time: it could only be run into its deadline (admission.py)."""
         wait_s, service_s = self.estimated_wait_s()
+        if wait_s <= 0.0:
+            # It would start at once. Run it, whatever the estimate says: a run is the
+            # estimate's only refresh, and a stale, too-high one that shed an idle
+            # server's every request would never be corrected. Work whose slack is
+            # short by nature (a tight cascade deadline) then answers degraded instead.
+            return
         try:
             self.admission.shed(item.request_id, item.deadline - now, wait_s, max(service_s, self.service.estimate_s(item.cost)), self._queue.count)
         except RecserveError:

@@ -76,9 +76,37 @@ def test_parallel_batches_shorten_the_estimated_wait() -> None:
     for i in range(10):
         sched.add(item(f"q{i}", deadline=now + 10.0), now)
     sched.parallelism = 4  # what ServingLoop(max_inflight=4) sets
-    assert sched.estimated_wait_s()[0] == pytest.approx(10 * SERVICE_S / 4)
-    sched.add(item("fits", deadline=now + 0.05), now)  # 25 ms wait + 10 ms service < 50 ms
+    # Its batch starts once 7 of the 10 ahead have finished, 4 at a time.
+    assert sched.estimated_wait_s()[0] == pytest.approx(7 * SERVICE_S / 4)
+    sched.add(item("fits", deadline=now + 0.03), now)  # 17.5 ms wait + 10 ms service < 30 ms
     assert sched.shed == 0
+    with pytest.raises(ResourceExhausted):  # 11 ahead now: 20 ms + 10 ms > 25 ms
+        sched.add(item("tight", deadline=now + 0.025), now)
+
+
+def test_free_slots_mean_no_wait() -> None:
+    sched = one_at_a_time()
+    now = warm(sched)
+    sched.parallelism = 4
+    for i in range(3):  # 3 batches ahead, 4 slots: a fourth starts at once
+        sched.add(item(f"q{i}", deadline=now + 10.0), now)
+    assert sched.estimated_wait_s()[0] == 0.0
+    sched.add(item("q3", deadline=now + 10.0), now)
+    assert sched.estimated_wait_s()[0] == pytest.approx(SERVICE_S / 4)
+
+
+def test_a_request_that_would_start_at_once_is_never_shed_so_a_stale_estimate_recovers() -> None:
+    """An idle server whose service estimate is above every caller's slack (say, after a
+    slow spell) must still run what arrives: shedding it would leave the estimate stale
+    forever, since only runs refresh it."""
+    sched = one_at_a_time()
+    now = warm(sched)
+    assert sched.estimated_wait_s() == (0.0, pytest.approx(SERVICE_S))
+    sched.add(item("tight", deadline=now + SERVICE_S / 10), now)  # 1 ms of slack < 10 ms service: runs anyway
+    assert sched.shed == 0 and sched.queued_count == 1
+    with pytest.raises(ResourceExhausted):  # now one is ahead of it: the check applies
+        sched.add(item("tight2", deadline=now + SERVICE_S / 10), now)
+    assert sched.shed == 1
 
 
 def test_serving_loop_tells_its_scheduler_how_many_batches_run_at_once() -> None:

@@ -1,0 +1,156 @@
+"""The cascade's door (issue 17, "shedding at the door"): Recommend calls run at most
+``cascade.max_concurrent`` at once through the scheduler core; a call whose slack is
+below the queue wait ahead plus a call's measured duration is shed at once with
+RESOURCE_EXHAUSTED and a retry hint; expired calls never run; a cancelled call stops at
+the next stage boundary; an idle door runs even a tight call (answered degraded).
+
+A fake ranking client with explicit setters holds the rank stages on an event or
+delays them; the oracle is which calls reached the client."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cascade.service import CascadeCore
+from recserve.errors import DeadlineExceeded, ResourceExhausted
+from tests.unit.test_cascade_core import FakeRankingClient, core
+
+RANK_S = 0.05  # each Rank of the slow fake takes 50 ms
+
+
+class GatedClient(FakeRankingClient):
+    """FakeRankingClient whose Rank sleeps ``delay_s`` and, with a gate set, waits for it."""
+
+    delay_s = 0.0
+    gate: asyncio.Event | None = None
+
+    def set_delay(self, seconds: float) -> None:
+        self.delay_s = seconds
+
+    def set_gate(self, gate: asyncio.Event | None) -> None:
+        self.gate = gate
+
+    async def rank(self, user_id: int, candidate_ids: np.ndarray, *, model: str = "", **kw: Any) -> Any:
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        return await super().rank(user_id, candidate_ids, model=model, **kw)
+
+
+def door_core(max_concurrent: int = 1) -> tuple[CascadeCore, GatedClient]:
+    c, plain, _ = core(np.random.default_rng(7))
+    client = GatedClient(plain.vector, plain.item_scores)
+    c.client = client  # type: ignore[assignment]
+    c.config = dataclasses.replace(c.config, max_concurrent=max_concurrent)
+    c.door = c._new_door()
+    return c, client
+
+
+def ask(c: CascadeCore, slack_s: float, user: int = 1) -> Any:
+    q = c.query(user, 10, np.zeros(0, np.int64), np.zeros(0, np.int64), deadline=time.monotonic() + slack_s)
+    return c.recommend(q)
+
+
+async def warm(c: CascadeCore) -> None:
+    """The admission's shed_after_batches calls, so the door knows a call's duration."""
+    for _ in range(c.door.scheduler.admission.config.shed_after_batches):
+        await ask(c, 10.0)
+
+
+def test_a_call_with_less_slack_than_the_queue_ahead_is_shed_at_once_with_a_retry_hint() -> None:
+    async def main() -> None:
+        c, client = door_core(max_concurrent=1)
+        client.set_delay(RANK_S)  # L2 + L3: ~100 ms per call
+        await warm(c)
+        gate = asyncio.Event()
+        client.set_gate(gate)
+        running = asyncio.ensure_future(ask(c, 10.0))  # takes the only slot, held at L2
+        await asyncio.sleep(0.01)
+        queued = asyncio.ensure_future(ask(c, 10.0))  # roomy: queued behind it
+        await asyncio.sleep(0)
+        with pytest.raises(ResourceExhausted) as shed:  # ~100 ms of slack < 2 calls ahead + its own
+            await ask(c, 0.1)
+        assert shed.value.retry_after_s is not None and shed.value.retry_after_s > 0
+        assert "slack" in shed.value.message and c.door.scheduler.shed == 1
+        gate.set()
+        a, b = await running, await queued
+        assert len(a.item_ids) == len(b.item_ids) == 10 and not a.degraded and not b.degraded
+        await c.aclose()
+
+    asyncio.run(main())
+
+
+def test_an_idle_door_runs_a_tight_call_which_answers_degraded_instead_of_being_shed() -> None:
+    async def main() -> None:
+        c, client = door_core(max_concurrent=1)
+        client.set_delay(RANK_S)
+        await warm(c)
+        res = await ask(c, 0.03)  # 30 ms < one call's ~100 ms, but nothing is ahead of it
+        assert res.degraded and c.door.scheduler.shed == 0
+        await c.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_call_whose_deadline_passes_in_the_queue_never_runs() -> None:
+    async def main() -> None:
+        c, client = door_core(max_concurrent=1)
+        gate = asyncio.Event()
+        client.set_gate(gate)
+        running = asyncio.ensure_future(ask(c, 10.0, user=1))
+        await asyncio.sleep(0.01)
+        calls_before = len(client.calls)
+        with pytest.raises(DeadlineExceeded):  # the door is cold (no shedding yet): it queues, then expires
+            await ask(c, 0.05, user=2)
+        gate.set()
+        await running
+        # The running call's L2 and L3 only: the expired one reached no stage.
+        assert [m for m, _ in client.calls[calls_before:]] == ["dlrm", "l3"]
+        assert c.requests == 1
+        await c.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_call_stops_at_the_next_stage_boundary() -> None:
+    async def main() -> None:
+        c, client = door_core(max_concurrent=2)
+        gate = asyncio.Event()
+        client.set_gate(gate)
+        call = asyncio.ensure_future(ask(c, 10.0))
+        await asyncio.sleep(0.01)  # now waiting in L2
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gate.set()
+        other = await ask(c, 10.0)  # a live call still runs every stage
+        await asyncio.sleep(0.01)
+        models = [m for m, _ in client.calls]
+        assert models == ["dlrm", "dlrm", "l3"], models  # the cancelled call never reached L3
+        assert len(other.item_ids) == 10 and c.requests == 1
+        await c.aclose()
+
+    asyncio.run(main())
+
+
+def test_max_concurrent_bounds_the_calls_running_at_once() -> None:
+    async def main() -> None:
+        c, client = door_core(max_concurrent=2)
+        gate = asyncio.Event()
+        client.set_gate(gate)
+        calls = [asyncio.ensure_future(ask(c, 10.0, user=u)) for u in range(5)]
+        await asyncio.sleep(0.02)
+        assert len(client.calls) == 0 and c.door.scheduler.queued_count == 3  # 2 held in L2, 3 queued
+        gate.set()
+        done = await asyncio.gather(*calls)
+        assert all(len(r.item_ids) == 10 for r in done) and c.requests == 5
+        await c.aclose()
+
+    asyncio.run(main())

@@ -52,6 +52,7 @@ __all__ = [
     "register_secret",
     "request_id",
     "secrets",
+    "secrets_in",
     "secrets_from_environ",
     "set_request_id",
 ]
@@ -137,6 +138,13 @@ def redact(text: str) -> str:
     """``text`` with every registered secret replaced by :data:`MASK`."""
     pattern = _pattern
     return text if pattern is None else pattern.sub(MASK, text)
+
+
+def secrets_in(logs: Mapping[str, str], secrets: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The no-secrets log check, for any suite (tests, ``recserve bench faults``):
+    ``(log, label)`` for every secret value (``secrets``: label -> value, e.g. API keys
+    and admin tokens) found in any log's text (``logs``: name -> text). ``[]`` passes."""
+    return [(name, label) for name, text in logs.items() for label, value in secrets.items() if value and value in text]
 
 
 # ---- the filter and the handler ---------------------------------------------------

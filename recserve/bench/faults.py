@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -39,9 +40,12 @@ import numpy as np
 
 from recserve.bench.faults_report import OK_STATUS, Records, fault_figures, format_table, timeline, total_figures
 from recserve.loadtest.requests import RequestPool
+from recserve.logs import secrets_in
 from recserve.loadtest.targets import GrpcRecommendTarget, _remaining, status_name
 
 FAULTS = ("shard_kill", "shard_slow", "ranker_kill", "burst", "upserts", "disk_full")
+TENANT, TENANT_KEY_ENV = "feed", "RECSERVE_FAULTS_FEED_KEY"
+ADMIN_TOKEN_ENV = "RECSERVE_ADMIN_TOKEN"  # [admin] token_env's default, which the bench's spec keeps
 SLOW_SHARD_MS = 200.0
 BURST_FACTOR = 3.0
 
@@ -65,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--knee-hi", type=float, default=400.0)
     p.add_argument("--probe-s", type=float, default=5.0, help="seconds per knee probe (default 5)")
     p.add_argument("--slo-ms", type=float, default=500.0, help="the SLO of goodput and the knee (default 500)")
-    p.add_argument("--timeout-ms", type=float, default=5000.0, help="each Recommend's deadline (default 5000)")
+    p.add_argument("--timeout-ms", type=float, default=0.0,
+                   help="each Recommend's deadline (default 0 = the SLO: a feed service's deadline is its SLO, and shedding keys on it)")
     p.add_argument("--upserts", type=int, default=1000, help="acknowledged rows written before the kill of fault 5 (default 1000)")
     p.add_argument("--pool-size", type=int, default=2048)
     p.add_argument("--out", type=Path, default=Path("out/bench-faults"), help="world, run data, faults.json and faults.png (default out/bench-faults)")
@@ -80,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     for flag, value in (("--before", args.before), ("--during", args.during), ("--after", args.after), ("--load", args.load)):
         if not value > 0:
             raise SystemExit(f"{flag} = {value!r} is invalid: use a positive number")
+    if args.timeout_ms <= 0:
+        args.timeout_ms = args.slo_ms
     args.out.mkdir(parents=True, exist_ok=True)
     report = run_suite(args, [n for n in FAULTS if n in names])
     (args.out / "faults.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -95,9 +102,11 @@ class RecordingTarget(GrpcRecommendTarget):
     """``Recommend`` over gRPC that also keeps one record per request (scheduled time =
     deadline - timeout, finish time, status, degraded, coverage) while ``recording``."""
 
-    def __init__(self, addresses: list[str], pool: RequestPool, *, timeout_s: float) -> None:
+    def __init__(self, addresses: list[str], pool: RequestPool, *, timeout_s: float, tenant: str = "default", api_key: str = "") -> None:
         super().__init__(addresses, pool)
         self.timeout_s = timeout_s
+        self.tenant = tenant
+        self.metadata = (("x-api-key", api_key),) if api_key else ()
         self.recording = False
         self.cols: tuple[list[float], list[float], list[str], list[bool], list[float]] = ([], [], [], [], [])
 
@@ -113,9 +122,9 @@ class RecordingTarget(GrpcRecommendTarget):
 
         sched = deadline_s - self.timeout_s
         e = self.pool.entry(i)
-        request = recommender_pb2.RecommendRequest(header=make_header(timeout_s=_remaining(deadline_s)), user_id=int(self.pool.user_ids[e]), k=self.k)
+        request = recommender_pb2.RecommendRequest(header=make_header(timeout_s=_remaining(deadline_s), tenant=self.tenant), user_id=int(self.pool.user_ids[e]), k=self.k)
         try:
-            reply = await self._channels.pick().Recommend(request, timeout=_remaining(deadline_s))
+            reply = await self._channels.pick().Recommend(request, timeout=_remaining(deadline_s), metadata=self.metadata)
         except asyncio.CancelledError:  # the driver gave up on it after the drain: still one request, counted
             self._record(sched, "CANCELLED", False, float("nan"))
             raise
@@ -131,7 +140,7 @@ class RecordingTarget(GrpcRecommendTarget):
                 col.append(v)  # type: ignore[attr-defined]
 
 
-def _spec(models: Path, run_dir: Path) -> Path:
+def _spec_text(models: Path) -> str:
     from ranker.spec import cluster_spec_toml
 
     manifest = json.loads((models / "manifest.json").read_text())
@@ -142,8 +151,15 @@ def _spec(models: Path, run_dir: Path) -> Path:
     head = "[cascade]\ndefault_deadline_ms = 100.0\n"
     if head in text:
         text = text.replace(head, "[cascade]\ndefault_deadline_ms = 1000.0\nl0_out = 400\nl1_out = 200\nl2_out = 50\nl3_out = 10\n", 1)
+    return text + "\n[topology]\nrankers = 2\n"
+
+
+def _spec(text: str, run_dir: Path) -> Path:
+    """``text`` (the given spec, or the bench's own) plus a keyed tenant that the load
+    authenticates as, so the no-secrets log check (meta.no_secrets) has a key to look
+    for beside the admin token."""
     path = run_dir / "cluster.toml"
-    path.write_text(text + "\n[topology]\nrankers = 2\n")
+    path.write_text(text + f'\n[[tenants]]\nname = "{TENANT}"\napi_key_env = "{TENANT_KEY_ENV}"\n')
     return path
 
 
@@ -151,8 +167,8 @@ def _start_stack(args: argparse.Namespace, models: Path, run_dir: Path) -> Any:
     from recserve.cli.serve_cmd import _prepare
     from recserve.cluster.supervise import SupervisorConfig
 
-    spec = args.config if args.config is not None else _spec(models, run_dir)
-    ns = argparse.Namespace(models=models, config=spec, no_cascade=False, no_gateway=False, insecure_admin=True, cache=None)
+    spec = _spec(args.config.read_text() if args.config is not None else _spec_text(models), run_dir)
+    ns = argparse.Namespace(models=models, config=spec, no_cascade=False, no_gateway=False, insecure_admin=False, cache=None)
     with contextlib.redirect_stdout(sys.stderr):  # serve's lines, not the --json
         stack = _prepare(ns, run_dir / "data")
         stack.shards.fault_hook = True  # the test-only hook (latency, errors) on every shard
@@ -208,7 +224,8 @@ def _upsert(address: str, table: str, ids: np.ndarray, rows: np.ndarray) -> int:
     with grpc.insecure_channel(address) as ch:
         req = embedding_pb2.UpsertRequest()
         req.tables.add(table=table, ids=pack(ids), rows=pack(rows))
-        return int(embedding_pb2_grpc.EmbeddingShardStub(ch).Upsert(req, timeout=30).rows_written)
+        token = (("authorization", f"Bearer {os.environ[ADMIN_TOKEN_ENV]}"),)
+        return int(embedding_pb2_grpc.EmbeddingShardStub(ch).Upsert(req, timeout=30, metadata=token).rows_written)
 
 
 def _read(address: str, table: str, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -261,13 +278,15 @@ def _fault_disk_full(stack: Any, seed: int, details: dict[str, Any]) -> None:
     _, old = _read(address, table, ids)
     set_fault(address, disk_full=True)
     refused = 0
+    codes: set[str] = set()
     for lo in range(0, ids.size, 5):
         try:
             _upsert(address, table, ids[lo : lo + 5], rows[lo : lo + 5])
-        except Exception:  # grpc.RpcError: the loud failure the fault must produce
+        except Exception as exc:  # grpc.RpcError: the loud failure the fault must produce
             refused += 1
+            codes.add(status_name(exc))
     found, got = _read(address, table, ids)
-    details["disk_full"] = {"upserts_tried": (ids.size + 4) // 5, "upserts_refused": refused, "reads_found": int(found.astype(bool).sum()), "reads_tried": int(ids.size),
+    details["disk_full"] = {"upserts_tried": (ids.size + 4) // 5, "upserts_refused": refused, "refused_with": sorted(codes), "reads_found": int(found.astype(bool).sum()), "reads_tried": int(ids.size),
                             "rows_unchanged": int(np.all(got == old, axis=1).sum()) if got.shape == old.shape else 0}  # fmt: skip
 
 
@@ -329,7 +348,7 @@ async def _suite(stack: Any, pool: RequestPool, args: argparse.Namespace, names:
     from recserve.bench.knee import find_knee_async
     from recserve.loadtest.driver import run_open_loop
 
-    target = RecordingTarget([stack.cascade.address], pool, timeout_s=args.timeout_ms / 1e3)
+    target = RecordingTarget([stack.cascade.address], pool, timeout_s=args.timeout_ms / 1e3, tenant=TENANT, api_key=os.environ[TENANT_KEY_ENV])
     await target.start()
     meta: dict[str, Any] = {"faults_run": names, "load_fraction": args.load, "before_s": args.before, "during_s": args.during, "after_s": args.after}
     try:
@@ -397,8 +416,24 @@ def run_suite(args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     pool = RequestPool.from_catalog(open_scrubbed(catalog), size=args.pool_size, candidates=16, seed=args.seed)
-    stack = _start_stack(args, models, run_dir)
+    # Fresh secrets for this run, in the environment every child inherits: the admin
+    # token (Upsert) and the tenant's API key (Recommend). Afterwards every log the run
+    # wrote is searched for them (the gateway issue's no-secrets check).
+    secret_values = {"admin token": secrets.token_urlsafe(24), "tenant api key": secrets.token_urlsafe(24)}
+    saved = {k: os.environ.get(k) for k in (ADMIN_TOKEN_ENV, TENANT_KEY_ENV)}
+    os.environ[ADMIN_TOKEN_ENV], os.environ[TENANT_KEY_ENV] = secret_values["admin token"], secret_values["tenant api key"]
     try:
-        return asyncio.run(_suite(stack, pool, args, names))
+        stack = _start_stack(args, models, run_dir)
+        try:
+            report = asyncio.run(_suite(stack, pool, args, names))
+        finally:
+            stack.stop()
     finally:
-        stack.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    logs = {str(p.relative_to(run_dir)): p.read_text(errors="replace") for p in sorted(run_dir.rglob("*.log"))}
+    report["meta"]["no_secrets"] = {"logs_scanned": len(logs), "found": [list(f) for f in secrets_in(logs, secret_values)]}
+    return report

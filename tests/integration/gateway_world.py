@@ -35,6 +35,7 @@ from recserve.cluster.cascade import CascadeCluster
 from recserve.cluster.gateway import GatewayCluster
 from recserve.cluster.generation import GenerationCluster
 from recserve.cluster.rankers import RankerCluster
+from recserve.logs import secrets_in  # noqa: F401 (the shared no-secrets check, re-exported for the suites)
 from tests.integration.ranker_world import RankerWorld, make_ranker_world, spec_text
 
 # Small stages for the tiny catalog (5,000 items) and a deadline a loaded 2-core box meets.
@@ -109,13 +110,6 @@ class GatewayWorld:
 def read_logs(paths: Mapping[str, Path]) -> dict[str, str]:
     """Every log's text by process name (``GatewayWorld.log_paths`` or any such map)."""
     return {name: path.read_text(errors="replace") for name, path in paths.items()}
-
-
-def secrets_in(logs: Mapping[str, str], secrets: Mapping[str, str]) -> list[tuple[str, str]]:
-    """The no-secrets log check, for any suite: ``(process, label)`` for every secret
-    value (``secrets``: label -> value, e.g. API keys and admin tokens) found in any
-    process's log text (``logs``: name -> text, from :func:`read_logs`). ``[]`` passes."""
-    return [(name, label) for name, text in logs.items() for label, value in secrets.items() if value in text]
 
 
 def _stack_metrics(shards: ShardCluster, rankers: RankerCluster, cascade: CascadeCluster) -> dict[str, str]:

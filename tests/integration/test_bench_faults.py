@@ -4,7 +4,8 @@ rankers, the cascade and the gateway, two faults of 1.5 s phases at a given knee
 checks the report's keys and the invariants that do not depend on timing: no
 acknowledged upsert is lost across a SIGKILL of its shards, a "full disk" (RocksDB writes
 raising an I/O error) refuses every upsert loudly while its rows stay readable and
-unchanged, and every request sent is accounted for."""
+unchanged, every request sent is accounted for, and no secret (the run's admin token
+and tenant key) reaches any log."""
 
 from __future__ import annotations
 
@@ -49,3 +50,7 @@ def test_bench_faults_json_keys_and_invariants(tmp_path: Path) -> None:
         assert figures["requests"] == sent["requests"] == sent["sent"] > 0, name
         assert figures["failed"] + figures["shed"] <= figures["requests"]
     assert Path(meta["timeline_png"]).stat().st_size > 0
+    # The load authenticated with a tenant key and the upserts with the admin token;
+    # neither reached any log of the run (the gateway issue's no-secrets check).
+    assert meta["no_secrets"]["logs_scanned"] >= 7 and meta["no_secrets"]["found"] == []
+    assert "UNAUTHENTICATED" not in disk["refused_with"] and "PERMISSION_DENIED" not in disk["refused_with"]  # refused for the disk, not the token

@@ -77,7 +77,7 @@ def test_a_wrong_value_or_shape_is_caught_without_an_owner() -> None:
 
 
 def test_the_shared_no_secrets_log_check_names_each_leak() -> None:
-    from tests.integration.gateway_world import secrets_in
+    from recserve.logs import secrets_in
 
     logs = {"gateway": "POST /v1/rank -> 200\n", "shard-0": "upsert by key-123 ok\n"}
     assert secrets_in(logs, {"alpha key": "key-123", "admin token": "tok-9"}) == [("shard-0", "alpha key")]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -107,6 +108,7 @@ class RecordingTarget(GrpcRecommendTarget):
         self.timeout_s = timeout_s
         self.tenant = tenant
         self.metadata = (("x-api-key", api_key),) if api_key else ()
+        self.reasons: collections.Counter[str] = collections.Counter()  # degraded answers by reason, while recording
         self.recording = False
         self.cols: tuple[list[float], list[float], list[str], list[bool], list[float]] = ([], [], [], [], [])
 
@@ -114,6 +116,7 @@ class RecordingTarget(GrpcRecommendTarget):
         """The records so far (and start a fresh set)."""
         rec = Records.from_lists(*self.cols)
         self.cols = ([], [], [], [], [])
+        self.reasons = collections.Counter()
         return rec
 
     async def call(self, i: int, deadline_s: float) -> bool:
@@ -132,6 +135,8 @@ class RecordingTarget(GrpcRecommendTarget):
             self._record(sched, status_name(exc), False, float("nan"))
             raise
         self._record(sched, OK_STATUS, bool(reply.degraded), float(reply.coverage))
+        if reply.degraded and self.recording:
+            self.reasons[reply.degraded_reason or "?"] += 1
         return bool(reply.degraded)
 
     def _record(self, sched: float, status: str, degraded: bool, coverage: float) -> None:
@@ -151,6 +156,13 @@ def _spec_text(models: Path) -> str:
     head = "[cascade]\ndefault_deadline_ms = 100.0\n"
     if head in text:
         text = text.replace(head, "[cascade]\ndefault_deadline_ms = 1000.0\nl0_out = 400\nl1_out = 200\nl2_out = 50\nl3_out = 10\n", 1)
+    # A deployment that must keep its coverage through a lost or slow shard replicates
+    # every row: hot rows on all 3 shards, cold rows on 2, and no column-split warm tier
+    # (a column-split row is lost with any one of its shards). With the export's default
+    # (cold rows on one shard) a killed shard's rows are simply gone until its restart.
+    sharding = "[sharding]\nnum_shards = 3\nhot_fraction = 0.01\nwarm_fraction = 0.10\nhot_replicas = 2\n"
+    if sharding in text:
+        text = text.replace(sharding, "[sharding]\nnum_shards = 3\nhot_fraction = 0.01\nwarm_fraction = 0.0\nhot_replicas = 3\ncold_replicas = 2\n", 1)
     return text + "\n[topology]\nrankers = 2\n"
 
 
@@ -334,7 +346,11 @@ async def _one_fault(name: str, stack: Any, target: RecordingTarget, args: argpa
     t_end = time.monotonic()
     summary = await load  # the load runs on past t_end if a restart took longer: "after" shrinks
     target.recording = False
+    reasons = dict(target.reasons)
     rec = target.take()
+    statuses, counts = np.unique(rec.status[rec.failed].astype(str), return_counts=True)
+    details.setdefault("failed_by_status", {})[name] = {str(k): int(v) for k, v in zip(statuses, counts)}
+    details.setdefault("degraded_by_reason", {})[name] = reasons
     # The schedule starts a few ms after t_before: its last request may fall past t_before + total_s.
     t_stop = max(t_end, t_before + total_s, float(rec.sched_s.max()) + 1e-6 if rec.size else 0.0)
     figures = fault_figures(rec, t_before=t_before, t_start=t_start, t_end=t_end, t_stop=t_stop, slo_s=slo_s, lost_upserts=lost,

@@ -6,6 +6,9 @@ the export, load or build the L0 index (progress bar), connect the ranking clien
 wait until every ranker answers health SERVING, then SERVING for "",
 ``recserve.v1.Recommender`` and ``recserve.v1.Admin``. SIGTERM: health NOT_SERVING, a
 grace period for in-flight calls, then the ranking client closes.
+
+Readiness also needs the deep check (:func:`recommend_baseline`, recserve/rpc/health.py)
+to pass: a fixed Recommend through the real core must answer its baseline item ids.
 """
 
 from __future__ import annotations
@@ -17,17 +20,19 @@ import os
 import time
 
 import grpc
+import numpy as np
 
 from cascade.report import to_proto
 from cascade.service import CascadeCore, RecommendQuery, Recommendation, open_cascade
-from recserve.config.spec import ClusterConfig
-from recserve.errors import RecserveError, Unimplemented
+from recserve.config.spec import ClusterConfig, TlsConfig
+from recserve.errors import PermissionDenied, RecserveError, ResourceExhausted, Unauthenticated, Unimplemented
 from recserve.metrics import catalog
 from recserve.metrics.serve import start_and_record
 from recserve.rpc.deadline import context_from_header
+from recserve.rpc.health import Baseline, DeepCheck, DeepCheckConfig, shard_upserts
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with
-from recserve.rpc.auth import AdminAuth, TenantAuth
+from recserve.rpc.auth import AdminAuth, TenantAuth, open_channel
 from recserve.rpc.serving import Slot, serve_loaded, wait_until_serving
 from recserve.rpc.tensors import ids_from, pack
 from recserve.v1 import admin_pb2, admin_pb2_grpc, recommender_pb2, recommender_pb2_grpc
@@ -40,6 +45,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 GRACE_S = 2.0
 RANKER_WAIT_S = 180.0
 FAISS_THREADS = 1
+PROBE_USER = 0  # the deep check's fixed Recommend: a known user, the default k
+PROBE_DEADLINE_S = 1.0  # generous, so a healthy cascade answers it undegraded
+PROBE_RTOL, PROBE_ATOL = 1e-4, 1e-6  # near-tied items may swap places (see differing_items)
+MODEL_STATUS_TIMEOUT_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +149,72 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return admin_pb2.ModelStatusResponse(model_version=core.view.model_version, models_dir=str(core.view.path), requests=core.requests)
 
 
+def differing_items(expected: tuple[np.ndarray, np.ndarray], got: tuple[np.ndarray, np.ndarray]) -> str:
+    """How a Recommend's (item ids int64 [k], scores float32 [k]) differs from the
+    baseline's ("" = it does not). Items whose scores are within rtol PROBE_RTOL may swap
+    places: a Rank batch of another size rounds the last bits differently."""
+    (want_ids, want_scores), (ids, scores) = expected, got
+    if ids.shape != want_ids.shape:
+        return f"{ids.shape[0]} items, the baseline {want_ids.shape[0]}"
+    moved = np.flatnonzero(ids != want_ids)
+    if moved.size == 0:
+        return ""
+    if np.array_equal(np.sort(ids[moved]), np.sort(want_ids[moved])) and np.allclose(scores[moved], want_scores[moved], rtol=PROBE_RTOL, atol=PROBE_ATOL):
+        return ""  # near-ties swapped
+    return f"item ids {ids[:10].tolist()}..., the baseline {want_ids[:10].tolist()}... (first difference at rank {int(moved[0])})"
+
+
+async def ranker_versions(addresses: tuple[str, ...], tls: TlsConfig | None) -> tuple[str, ...] | None:
+    """Each ranker's model_version (Admin.ModelStatus), or None when one does not answer."""
+
+    async def one(address: str) -> str:
+        async with open_channel(address, tls) as channel:
+            reply = await admin_pb2_grpc.AdminStub(channel).ModelStatus(admin_pb2.ModelStatusRequest(), timeout=MODEL_STATUS_TIMEOUT_S)
+            return str(reply.model_version)
+
+    try:
+        return tuple(await asyncio.gather(*(one(a) for a in addresses)))
+    except grpc.aio.AioRpcError:
+        return None
+
+
+def recommend_baseline(core: CascadeCore, config: CascadeProcessConfig) -> Baseline[tuple[np.ndarray, np.ndarray]]:
+    """The cascade's deep check: a fixed Recommend (user PROBE_USER, the default k)
+    through the real core (its door, L0..L3, the rankers), whose item ids must repeat the
+    first undegraded answer's. A degraded or shed answer is no verdict. The epoch (what
+    may rightly change the answer): the index version and size, the rankers' model
+    versions (None while they differ: a rollout), the shards' upsert counts.
+
+    It calls the rankers as the key-less tenant (no caller key to forward). Where every
+    tenant has a key, the rankers refuse it (UNAUTHENTICATED): no verdict, said once."""
+    none = np.zeros(0, np.int64)
+    refused = False
+
+    async def answer() -> tuple[np.ndarray, np.ndarray] | None:
+        nonlocal refused
+        query = core.query(PROBE_USER, 0, none, none, deadline=time.monotonic() + PROBE_DEADLINE_S, tenant="",
+                           priority="critical", request_id="recserve-deep-check")  # fmt: skip
+        try:
+            rec = await core.recommend(query)
+        except ResourceExhausted:  # shed: the cascade is busy, not broken
+            return None
+        except (Unauthenticated, PermissionDenied) as exc:
+            if not refused:
+                log.warning("cascade deep check: the rankers refuse its key-less Rank calls (%s): its Recommend gives no verdict", exc)
+                refused = True
+            return None
+        refused = False
+        return None if rec.degraded else (np.asarray(rec.item_ids), np.asarray(rec.scores))
+
+    async def epoch() -> tuple[object, ...] | None:
+        versions, upserts = await asyncio.gather(ranker_versions(config.ranker_addresses, config.cluster.tls), shard_upserts(config.shard_addresses))
+        if versions is None or upserts is None or len(set(versions)) > 1:
+            return None
+        return (core.index_version, core.view.num_items, versions, upserts)
+
+    return Baseline(answer, differing_items, epoch=epoch, what=f"cascade: the fixed Recommend for user {PROBE_USER}")
+
+
 async def _load(config: CascadeProcessConfig) -> CascadeCore:
     await wait_until_serving(config.ranker_addresses, service="recserve.v1.Ranking", what="ranker", timeout_s=RANKER_WAIT_S, tls=config.cluster.tls)
     return await open_cascade(config.cluster, config.models_dir, config.ranker_addresses, shard_addresses=config.shard_addresses,
@@ -161,12 +236,22 @@ async def serve(config: CascadeProcessConfig, stop: asyncio.Event | None = None)
     recommender_pb2_grpc.add_RecommenderServicer_to_server(RecommenderServicer(slot, TenantAuth.from_cluster(config.cluster, os.environ)), server)
     admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(slot, config), server)
     health = await add_health_and_reflection(server, [RECOMMENDER_SERVICE, ADMIN_SERVICE])
+    deep: list[DeepCheck] = []
+    deep_config = DeepCheckConfig.from_env(os.environ)  # before listening: a bad value fails the start
 
     def ready(core: CascadeCore, port: int) -> None:
+        check = DeepCheck(health, [RECOMMENDER_SERVICE, ADMIN_SERVICE], recommend_baseline(core, config), config=deep_config,
+                          on_change=slot.set_not_serving, what="cascade")  # fmt: skip
+        check.start()
+        deep.append(check)
         log.info("cascade SERVING on %s:%d: index %s, model_version %s", config.host, port, core.index_version, core.view.model_version)
 
-    await serve_loaded(server, health, [RECOMMENDER_SERVICE, ADMIN_SERVICE], slot, lambda: _load(config), what="cascade", host=config.host,
-                       port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S, tls=config.cluster.tls)  # fmt: skip
+    try:
+        await serve_loaded(server, health, [RECOMMENDER_SERVICE, ADMIN_SERVICE], slot, lambda: _load(config), what="cascade", host=config.host,
+                           port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S, tls=config.cluster.tls)  # fmt: skip
+    finally:
+        for check in deep:
+            await check.aclose()
 
 
 __all__ = ["CascadeProcessConfig", "RecommendQuery", "serve"]

@@ -15,6 +15,11 @@ serving. The initial metadata carries the replica's load when the stream starts
 (``recserve-active-tokens``: its live streams' budgets not yet generated, prompt +
 ``max_new_tokens`` - generated, summed;
 ``recserve-kv-occupancy``: the used fraction of its KV pool), for a router that reads it.
+
+Readiness also needs the deep check (:func:`decode_baseline`, recserve/rpc/health.py): a
+fixed greedy decode through the real engine must repeat its first tokens. A wedged
+executor (no answer in time) or other tokens (a corrupted KV or prefix cache, changed
+weights) turn it NOT_SERVING and ``Generate`` UNAVAILABLE; liveness stays SERVING.
 """
 
 from __future__ import annotations
@@ -29,9 +34,10 @@ from collections.abc import AsyncIterator
 import grpc
 
 from recserve.config.spec import ClusterConfig
-from recserve.errors import RecserveError
+from recserve.errors import RecserveError, ResourceExhausted
 from recserve.metrics.serve import start_and_record
 from recserve.rpc.deadline import context_from_header
+from recserve.rpc.health import Baseline, DeepCheck, DeepCheckConfig
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.auth import TenantAuth
 from recserve.rpc.serving import Slot, serve_loaded
@@ -39,7 +45,7 @@ from recserve.rpc.status import abort_with
 from recserve.rpc.tensors import ids_from, pack_into
 from recserve.v1 import generation_pb2, generation_pb2_grpc
 
-from generation.service import GenerationChunk, GenerationCore, load_model
+from generation.service import FINISH_DEADLINE, GenerationChunk, GenerationCore, load_model
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +54,11 @@ MAX_MESSAGE_BYTES = 64 << 20
 GRACE_S = 2.0
 ACTIVE_TOKENS_KEY = "recserve-active-tokens"
 KV_OCCUPANCY_KEY = "recserve-kv-occupancy"
+PROBE_PROMPT = "recserve deep check: "  # the deep check's fixed prompt (byte tokens)
+PROBE_TOKENS = 4  # greedy tokens it decodes
+# Past DeepCheck's own timeout: a wedged executor fails the check by that timeout
+# rather than ending the decode with a "deadline" chunk (which is no verdict).
+PROBE_DEADLINE_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +117,39 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await stream.aclose()
 
 
+def differing_tokens(expected: tuple[int, ...], got: tuple[int, ...]) -> str:
+    return "" if got == expected else f"tokens {list(got)}, the baseline {list(expected)}"
+
+
+def decode_baseline(core: GenerationCore) -> Baseline[tuple[int, ...]]:
+    """The generation deep check: PROBE_PROMPT greedily decoded (PROBE_TOKENS tokens, or
+    up to the stop token) through the real path (admission, the decode loop, the KV and
+    prefix caches, the executor), whose tokens must repeat the first answer's. The
+    weights never change while the process lives, so there is no epoch; a shed request
+    or one that ran into its deadline is no verdict."""
+    prompt = core.tokenizer.encode(PROBE_PROMPT, bos=False)[: max(1, core.context_limit - 1 - PROBE_TOKENS)]
+    max_new = max(1, min(PROBE_TOKENS, core.context_limit - len(prompt), core.config.max_new_tokens_cap))
+
+    async def answer() -> tuple[int, ...] | None:
+        request = core.request(prompt_tokens=prompt, max_new_tokens=max_new, temperature=0.0)
+        try:
+            stream = core.submit(request, deadline=time.monotonic() + PROBE_DEADLINE_S, tenant="recserve-deep-check", priority="critical",
+                                 request_id="recserve-deep-check")  # fmt: skip
+        except ResourceExhausted:
+            return None
+        tokens: list[int] = []
+        try:
+            async for chunk in stream:
+                if chunk.finish_reason == FINISH_DEADLINE:
+                    return None
+                tokens.extend(int(t) for t in chunk.tokens)
+        finally:
+            await stream.aclose()  # also when DeepCheck's timeout cancels us: the sequence stops
+        return tuple(tokens)
+
+    return Baseline(answer, differing_tokens, what="generation: the fixed greedy decode")
+
+
 async def load_core(config: GenerationProcessConfig) -> GenerationCore:
     """Load the model (off the event loop: torch work) and build the core, not started."""
     gen = config.cluster.generation
@@ -122,14 +166,24 @@ async def serve(config: GenerationProcessConfig, stop: asyncio.Event | None = No
     slot: Slot[GenerationCore] = Slot("generation model")
     generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(slot, TenantAuth.from_cluster(config.cluster, os.environ)), server)
     health = await add_health_and_reflection(server, [GENERATION_SERVICE])
+    deep: list[DeepCheck] = []
+    deep_config = DeepCheckConfig.from_env(os.environ)  # before listening: a bad value fails the start
 
     def ready(core: GenerationCore, port: int) -> None:
         core.start()
+        check = DeepCheck(health, [GENERATION_SERVICE], decode_baseline(core), config=deep_config,
+                          on_change=slot.set_not_serving, what="generation")  # fmt: skip
+        check.start()
+        deep.append(check)
         log.info("generation SERVING on %s:%d: %s, model_version %s, context %d tokens, device %s", config.host, port, core.source,
                  core.model_version, core.context_limit, core.engine.device)  # fmt: skip
 
-    await serve_loaded(server, health, [GENERATION_SERVICE], slot, lambda: load_core(config), what="generation", host=config.host,
-                       port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S, tls=config.cluster.tls)  # fmt: skip
+    try:
+        await serve_loaded(server, health, [GENERATION_SERVICE], slot, lambda: load_core(config), what="generation", host=config.host,
+                           port=config.port, port_file=config.port_file, on_ready=ready, stop=stop, grace_s=GRACE_S, tls=config.cluster.tls)  # fmt: skip
+    finally:
+        for check in deep:
+            await check.aclose()
 
 
-__all__ = ["GENERATION_SERVICE", "GenerationProcessConfig", "GenerationServicer", "load_core", "serve", "to_proto"]
+__all__ = ["GENERATION_SERVICE", "GenerationProcessConfig", "GenerationServicer", "decode_baseline", "load_core", "serve", "to_proto"]

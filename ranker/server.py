@@ -45,7 +45,7 @@ from recserve.errors import InvalidArgument, RecserveError, Unavailable, Unimple
 from recserve.metrics import catalog
 from recserve.metrics.serve import start_and_record
 from recserve.rpc.deadline import RequestContext, context_from_header
-from recserve.rpc.health import DeepCheck
+from recserve.rpc.health import Baseline, DeepCheck, DeepCheckConfig, shard_upserts
 from recserve.rpc.server import add_health_and_reflection, make_server
 from recserve.rpc.status import abort_with, error_from_code
 from recserve.rpc.auth import DEFAULT_TOKEN_ENV, AdminAuth, TenantAuth
@@ -65,6 +65,9 @@ MAX_MESSAGE_BYTES = 64 << 20
 GRACE_S = 2.0
 SHARD_INFO_TIMEOUT_S = 10.0
 SHARD_WAIT_S = 120.0  # a ranker started with its shards waits this long for their tiers
+# The deep check's fixed Rank must repeat its baseline scores this closely: a batch of
+# another size may round differently in the last bits, a wrong answer differs in the first.
+PROBE_RTOL, PROBE_ATOL = 1e-4, 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +206,46 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         )  # fmt: skip
 
 
+def differing_scores(expected: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> str:
+    """How the fixed Rank's scores by candidate id (model -> float32 [C]) differ from the
+    baseline's beyond rtol PROBE_RTOL ("" = they do not)."""
+    for model, want in expected.items():
+        have = got.get(model)
+        if have is None or have.shape != want.shape:
+            return f"model {model!r} answered {None if have is None else have.shape[0]} scores, the baseline {want.shape[0]}"
+        bad = np.flatnonzero(~np.isclose(have, want, rtol=PROBE_RTOL, atol=PROBE_ATOL))
+        if bad.size:
+            i = int(bad[0])
+            return (f"model {model!r} scored item {i} {float(have[i]):.6g}, the baseline {float(want[i]):.6g} "
+                    f"({bad.size} of {want.shape[0]} items differ beyond rtol {PROBE_RTOL:g})")  # fmt: skip
+    return ""
+
+
+def rank_baseline(core: RankingCore, shard_addresses: Sequence[str]) -> Baseline[dict[str, np.ndarray]]:
+    """The ranker's deep check: :meth:`RankingCore.deep_probe` (every candidate once,
+    finite scores), whose scores must repeat the first undegraded answer's. A degraded
+    or shed answer is no verdict; a ReloadModels re-takes the baseline, and so does a
+    differing answer after an upsert on any shard (the epoch: reloads and upsert counts)."""
+    reloads = core.reloads
+
+    async def answer() -> dict[str, np.ndarray] | None:
+        nonlocal reloads
+        if core.reloads != reloads:  # another model set: its own answer is the baseline
+            reloads = core.reloads
+            baseline.reset()
+        answers = await core.deep_probe()
+        if len(answers) < len(core.config.models) or any(a.degraded for a in answers.values()):
+            return None
+        return {model: a.scores[np.argsort(a.item_ids)] for model, a in answers.items()}  # by candidate id
+
+    async def epoch() -> tuple[object, ...] | None:
+        upserts = await shard_upserts(shard_addresses)
+        return None if upserts is None else (core.reloads, core.current.version, core.current.export.arrays.num_items, upserts)
+
+    baseline: Baseline[dict[str, np.ndarray]] = Baseline(answer, differing_scores, epoch=epoch, what="ranker: the fixed Rank for user 0")
+    return baseline
+
+
 async def shard_state(addresses: Sequence[str]) -> tuple[ShardingPlan, dict[str, str]]:
     """(the shards' newest plan, table -> model_version over every shard)."""
     infos = []
@@ -256,12 +299,14 @@ async def serve(config: RankerProcessConfig, stop: asyncio.Event | None = None, 
     health = await add_health_and_reflection(server, services)
 
     deep: list[DeepCheck] = []
+    deep_config = DeepCheckConfig.from_env(os.environ)  # before listening: a bad value fails the start
 
     def ready(core: RankingCore, port: int) -> None:
         core.start()
-        # Readiness also needs a fixed Rank to pass (recserve.rpc.health): a wedged
-        # executor turns it NOT_SERVING and its calls UNAVAILABLE.
-        check = DeepCheck(health, services, core.deep_probe, on_change=slot.set_not_serving, what="ranker")
+        # Readiness also needs a fixed Rank to pass and repeat its scores (recserve.rpc.health):
+        # a wedged executor or a wrong answer turns it NOT_SERVING and its calls UNAVAILABLE.
+        check = DeepCheck(health, services, rank_baseline(core, config.shard_addresses), config=deep_config,
+                          on_change=slot.set_not_serving, what="ranker")  # fmt: skip
         check.start()
         deep.append(check)
         log.info("ranker SERVING on %s:%d: models %s, model_version %s%s", config.host, port, list(core.current.models), core.current.version,

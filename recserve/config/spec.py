@@ -254,10 +254,17 @@ class RankerConfig:
     max_inflight_batches: int = 2
     threads: int = 1
     default_timeout_ms: float = 1000.0
+    # A batch's lookups resolve this long before its earliest deadline, plus twice the
+    # measured forward time, with what has arrived (missing rows -> lookup_missing): a
+    # lookup that waited for a slow shard up to the deadline left no time to score and
+    # answer, so the caller got nothing instead of a degraded answer (bench faults,
+    # shard_slow: every L2/L3 stage timed out at the cascade, coverage 0.50).
+    reply_margin_ms: float = 3.0
     models_dir: str = ""
     metrics_port: int = 0
 
     def __post_init__(self) -> None:
+        _require(0.0 <= self.reply_margin_ms <= 1000.0, "ranker.reply_margin_ms", self.reply_margin_ms, "use 0..1000 ms")
         _require(len(self.models) > 0 and all(m in MODEL_NAMES for m in self.models) and len(set(self.models)) == len(self.models),
                  "ranker.models[]", list(self.models), f"list distinct models among {list(MODEL_NAMES)}")
         _require(self.device in ("auto", "cpu", "cuda"), "ranker.device", self.device, "use 'auto', 'cpu' or 'cuda'")

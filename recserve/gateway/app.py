@@ -28,7 +28,7 @@ process; a fake in tests), the tenants and the spec into a ``web.Application``:
 The edge middleware gives every response an ``X-Request-Id`` (the caller's, when it sent
 a sane one), turns every error into the one JSON error body, records
 ``recserve_http_requests_total`` / ``recserve_http_latency_seconds`` by route, and caps
-requests in flight at ``gateway.max_concurrency`` (503 + ``Retry-After``). A client that
+requests in flight at ``gateway.max_concurrency`` (429 + ``Retry-After``). A client that
 disconnects cancels its handler (the runner is built with ``handler_cancellation``), and
 so the downstream RPC: its server sees CANCELLED.
 """
@@ -52,7 +52,7 @@ from aiohttp import web
 
 from recserve.cluster.supervise import SUPERVISOR_STATE_ENV, read_report
 from recserve.config.spec import ClusterConfig
-from recserve.errors import InternalError, InvalidField, RecserveError, Unavailable
+from recserve.errors import InternalError, InvalidField, RecserveError, ResourceExhausted, Unavailable
 from recserve.gateway.openapi import openapi_document
 from recserve.gateway.schemas import ObjectSchema, request_schemas
 from recserve.gateway.tenants import Quotas, TenantTable
@@ -228,7 +228,7 @@ def observe_http(route: str, status: int, seconds: float) -> None:
 
 class _Admitted:
     """One request through the gates, in order: a process slot (``max_concurrency``:
-    503), its tenant (401), its body (400 / 422), the tenant's quota (429; a body that
+    429, shed like a scheduler's admission), its tenant (401), its body (400 / 422), the tenant's quota (429; a body that
     fails costs no token). Whatever it took is given back on exit, or at once when a
     gate refuses."""
 
@@ -242,7 +242,9 @@ class _Admitted:
     async def __aenter__(self) -> tuple[str, str, dict[str, Any]]:
         g, request, limit = self.gateway, self.request, self.gateway.cluster.gateway
         if g.inflight >= limit.max_concurrency:
-            raise Unavailable(f"the gateway has {g.inflight} requests in flight (gateway.max_concurrency = {limit.max_concurrency})", retry_after_s=1.0)
+            # Overload, not a dead process: RESOURCE_EXHAUSTED (429) is what every shedding
+            # door answers (issue 17), and a client may retry it after Retry-After.
+            raise ResourceExhausted(f"the gateway has {g.inflight} requests in flight (gateway.max_concurrency = {limit.max_concurrency})", retry_after_s=1.0)
         # Taken before the first await (reading the body), so concurrent readers count.
         g.inflight += 1
         self.slot = True

@@ -18,8 +18,8 @@ _ERRORS = {
     400: "the body cannot be read: malformed JSON, not an object, over gateway.max_body_bytes; or a value downstream rejected (the message names it)",
     401: "no API key, or one that matches no tenant",
     422: "well-formed JSON that breaks the schema: an unknown or missing field, a wrong type, a value out of range",
-    429: "over the tenant's rate or concurrency quota (Retry-After says when to retry)",
-    503: "not ready, a downstream unavailable, or the gateway at gateway.max_concurrency (Retry-After)",
+    429: "over the tenant's rate or concurrency quota, the gateway at gateway.max_concurrency, or shed downstream (Retry-After says when to retry)",
+    503: "not ready, or a downstream unavailable (Retry-After)",
     504: "the deadline (the earlier of gateway.timeout_ms and deadline_ms) passed",
 }
 

@@ -4,7 +4,7 @@ The metric objects below live on prometheus_client's default registry, so a proc
 ``/metrics`` (:func:`recserve.metrics.serve.start_metrics_server`, or the gateway's
 ``GET /metrics``) serves whichever of them that process touched. Families read from
 existing counters at scrape time (:mod:`recserve.metrics.collectors`: the lookup client,
-the shard, the schedulers' depth and drops) are named here as :class:`Family` rows, so
+the shard, the schedulers' depth, drops and sheds) are named here as :class:`Family` rows, so
 the whole catalogue is in this one file. Processes do not label themselves: the scraper
 adds the process label from its target list.
 
@@ -96,3 +96,6 @@ SHARD_ROCKSDB_READS = Family("recserve_shard_rocksdb_reads", "counter", "Keys th
 SCHEDULER_QUEUE_DEPTH = Family("recserve_scheduler_queue_depth", "gauge", "Items waiting in a scheduler's queue", ("loop",))
 SCHEDULER_CANCELLED = Family("recserve_scheduler_cancelled", "counter", "Items cancelled (the caller went away or gave up) before they finished", ("loop",))
 SCHEDULER_EXPIRED = Family("recserve_scheduler_expired", "counter", "Items whose deadline passed before they ran (never executed)", ("loop",))
+SCHEDULER_SHED = Family(
+    "recserve_scheduler_shed", "counter", "Requests refused at admission (RESOURCE_EXHAUSTED / HTTP 429): deadline slack below the estimated queue wait plus service time", ("loop",),
+)  # fmt: skip

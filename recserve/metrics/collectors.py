@@ -1,7 +1,7 @@
 """Scrape-time collectors: Prometheus families read from counters the code keeps anyway.
 
 The lookup client (``LookupStats``), the shard (its counters, row caches and cold tiers)
-and every scheduler (queue depth, drops) already count what the catalogue exports, as
+and every scheduler (queue depth, drops, sheds) already count what the catalogue exports, as
 plain integers on their own objects. These collectors read them when ``/metrics`` is
 scraped (on prometheus_client's HTTP thread: plain attribute reads, no locks on the
 request path), so exporting costs the request path nothing.
@@ -167,14 +167,14 @@ class ShardCollector(_Base):
 
 # -- the schedulers -------------------------------------------------------------------------
 
-SCHEDULER_FIELDS = ("queue_depth", "cancelled", "expired")
+SCHEDULER_FIELDS = ("queue_depth", "cancelled", "expired", "shed")
 
 
 class SchedulerCollector(_Base):
-    """``recserve_scheduler_queue_depth`` / ``_cancelled_total`` / ``_expired_total`` by
-    loop name, summed over live loops of one name plus the drops of closed ones."""
+    """``recserve_scheduler_queue_depth`` / ``_cancelled_total`` / ``_expired_total`` /
+    ``_shed_total`` by loop name, summed over live loops of one name plus the drops of closed ones."""
 
-    families = (catalog.SCHEDULER_QUEUE_DEPTH, catalog.SCHEDULER_CANCELLED, catalog.SCHEDULER_EXPIRED)
+    families = (catalog.SCHEDULER_QUEUE_DEPTH, catalog.SCHEDULER_CANCELLED, catalog.SCHEDULER_EXPIRED, catalog.SCHEDULER_SHED)
 
     def __init__(self) -> None:
         self.sources = Sources(gauges=("queue_depth",))
@@ -190,7 +190,9 @@ class SchedulerCollector(_Base):
         totals = self.sources.totals()
         if not totals:
             return
-        for spec, field in ((catalog.SCHEDULER_QUEUE_DEPTH, "queue_depth"), (catalog.SCHEDULER_CANCELLED, "cancelled"), (catalog.SCHEDULER_EXPIRED, "expired")):
+        fields_by_spec = ((catalog.SCHEDULER_QUEUE_DEPTH, "queue_depth"), (catalog.SCHEDULER_CANCELLED, "cancelled"),
+                          (catalog.SCHEDULER_EXPIRED, "expired"), (catalog.SCHEDULER_SHED, "shed"))  # fmt: skip
+        for spec, field in fields_by_spec:
             family = _family(spec)
             for loop, fields in sorted(totals.items()):
                 family.add_metric([loop], fields.get(field, 0.0))

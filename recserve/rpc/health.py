@@ -15,6 +15,13 @@
   calls UNAVAILABLE (their ``not_serving`` gate), so every router's breaker for that
   replica opens and traffic moves to the others. The next passing check turns it
   back SERVING.
+- **Expected values** (:class:`Baseline`): the ranker (a fixed Rank's scores), the
+  cascade (a fixed Recommend's item ids) and a generation replica (a fixed greedy
+  decode's tokens) compare each answer with the first one they gave. Some answers
+  rightly change: a reload, an index refresh, an upsert of the rows they read. Such a
+  change moves the probe's *epoch* (a reload count, an index version, the shards'
+  upsert counts), and a differing answer under a moved epoch re-takes the baseline
+  instead of failing. A degraded or shed answer is no verdict.
 
 The check runs on the event loop as one more task; the probe's own work goes where
 the servers' work goes (their executors), which is the point::
@@ -31,18 +38,26 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
+from typing import Generic, TypeVar
 
+import grpc
 from grpc_health.v1 import health_pb2
 
-from recserve.errors import require
+from recserve.errors import InternalError, require
 from recserve.rpc.server import LIVENESS_SERVICE, Health
+from recserve.v1 import embedding_pb2, embedding_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LIVENESS_SERVICE", "DeepCheck", "DeepCheckConfig", "Probe"]
+__all__ = ["DEEP_CHECK_INTERVAL_ENV", "LIVENESS_SERVICE", "Baseline", "DeepCheck", "DeepCheckConfig", "Probe", "shard_upserts"]
 
 Probe = Callable[[], Awaitable[None]]  # raises (any exception) when the answer is wrong
+T = TypeVar("T")
+SHARD_INFO_TIMEOUT_S = 2.0  # one ShardInfo of an epoch (the probe's whole run has DeepCheck's timeout)
+# Read by the ranker, cascade and generation servers at start: seconds between deep
+# checks. A test whose counters must not move between two reads sets it long.
+DEEP_CHECK_INTERVAL_ENV = "RECSERVE_DEEP_CHECK_INTERVAL_S"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +73,19 @@ class DeepCheckConfig:
     def __post_init__(self) -> None:
         require(self.interval_s > 0, "deep_check.interval_s", self.interval_s, "use a positive interval in seconds")
         require(self.timeout_s > 0, "deep_check.timeout_s", self.timeout_s, "use a positive timeout in seconds")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> DeepCheckConfig:
+        """The defaults, with ``interval_s`` from ``$RECSERVE_DEEP_CHECK_INTERVAL_S`` when set."""
+        raw = environ.get(DEEP_CHECK_INTERVAL_ENV, "").strip()
+        if not raw:
+            return cls()
+        try:
+            interval_s = float(raw)
+        except ValueError:
+            interval_s = float("nan")
+        require(interval_s > 0, DEEP_CHECK_INTERVAL_ENV, raw, "use a positive number of seconds between deep checks")
+        return cls(interval_s=interval_s)
 
 
 class DeepCheck:
@@ -132,3 +160,100 @@ class DeepCheck:
                 await self.check_once()
             except Exception:  # health.set cannot fail today; a bug must not end the checks silently
                 log.exception("%s: deep check crashed", self.what)
+
+
+class Baseline(Generic[T]):
+    """A probe (:data:`Probe`) that runs a fixed request and compares its answer with the
+    first one it gave.
+
+    ``answer()`` runs the request through the real serving path; it raises when the
+    answer is malformed and returns None when it is no verdict (degraded, shed).
+    ``differs(expected, got)`` says how they differ ("" = the same). ``epoch()`` reads
+    what may rightly change the answer (None: it cannot be read now, no verdict); without
+    one, the first answer is the baseline for the process's life.
+
+    With an epoch, a baseline is taken only when the epoch read after the answer equals
+    the one read after the previous answer: nothing that may change it moved during the
+    answer or for one interval before it (a client's near cache may serve a row up to
+    its staleness after an upsert). A differing answer then fails only if the epoch is
+    still the baseline's; otherwise the baseline is re-taken. The epoch is read only
+    while there is no baseline and after a differing answer, so a healthy replica pays
+    for the answer alone."""
+
+    def __init__(
+        self,
+        answer: Callable[[], Awaitable[T | None]],
+        differs: Callable[[T, T], str],
+        *,
+        epoch: Callable[[], Awaitable[Hashable | None]] | None = None,
+        what: str = "the fixed request",
+    ) -> None:
+        self._answer = answer
+        self._differs = differs
+        self._epoch = epoch
+        self.what = what
+        self.expected: T | None = None
+        self.expected_epoch: Hashable | None = None
+        self.retaken = 0  # baselines dropped because the epoch moved
+        self._seen: Hashable | None = None  # the epoch read after the last answer (no baseline yet)
+        self._unreadable = False  # the last epoch read failed (logged once per run of failures)
+
+    def reset(self) -> None:
+        """Forget the baseline (the next stable answer becomes it)."""
+        self.expected, self.expected_epoch, self._seen = None, None, None
+
+    async def __call__(self) -> None:
+        got = await self._answer()
+        if got is None:
+            return
+        if self.expected is None:
+            await self._take(got)
+            return
+        why = self._differs(self.expected, got)
+        if not why:
+            return
+        now = None if self._epoch is None else await self._read_epoch()
+        if self._epoch is not None and now != self.expected_epoch:
+            if now is not None:  # a reload, a refresh, an upsert: the old answer is stale, not wrong
+                log.info("%s: the answer changed with its epoch (%r -> %r): re-taking the baseline", self.what, self.expected_epoch, now)
+                self.reset()
+                self.retaken += 1
+                self._seen = now
+            return
+        raise InternalError(f"{self.what} answered differently from its baseline, with nothing changed that may change it: {why}")
+
+    async def _take(self, got: T) -> None:
+        if self._epoch is None:
+            self.expected = got
+        else:
+            now = await self._read_epoch()
+            if now is not None and now == self._seen:
+                self.expected, self.expected_epoch = got, now
+            self._seen = now
+        if self.expected is not None:
+            log.info("%s: baseline taken", self.what)
+
+    async def _read_epoch(self) -> Hashable | None:
+        assert self._epoch is not None
+        now = await self._epoch()
+        if (now is None) != self._unreadable:  # say so once, not every check: the answers go unjudged meanwhile
+            self._unreadable = now is None
+            if now is None:
+                log.warning("%s: what may change its answer cannot be read now (a peer down, or a rollout): no verdict until it can", self.what)
+        return now
+
+
+async def shard_upserts(addresses: Sequence[str], timeout_s: float = SHARD_INFO_TIMEOUT_S) -> tuple[int, ...] | None:
+    """Each shard's acknowledged upsert rows (``ShardInfo.upserts``; it restarts at 0
+    with the process, which also counts as a change), or None when one does not answer:
+    the epoch part of a deep check whose answer reads shard rows. Shards are plaintext."""
+
+    async def one(address: str) -> int:
+        async with grpc.aio.insecure_channel(address) as channel:
+            reply = await embedding_pb2_grpc.EmbeddingShardStub(channel).ShardInfo(embedding_pb2.ShardInfoRequest(), timeout=timeout_s)
+            return int(reply.upserts)
+
+    try:
+        return tuple(await asyncio.gather(*(one(a) for a in addresses)))
+    except grpc.aio.AioRpcError:
+        return None

@@ -194,10 +194,10 @@ class ServingLoop:
         SCHEDULERS.retire(self)
 
     def _metric_reading(self) -> dict[str, float]:
-        """Queue depth and drops for ``/metrics`` (read on the scrape thread: plain reads)."""
+        """Queue depth, drops and sheds for ``/metrics`` (read on the scrape thread: plain reads)."""
         sched = self.scheduler
         drops = sched.metrics.drops
-        return {"queue_depth": sched.queued_count, "cancelled": drops[DropReason.CANCELLED], "expired": drops[DropReason.DEADLINE]}
+        return {"queue_depth": sched.queued_count, "cancelled": drops[DropReason.CANCELLED], "expired": drops[DropReason.DEADLINE], "shed": sched.shed}
 
     async def __aenter__(self) -> ServingLoop:
         self.start()

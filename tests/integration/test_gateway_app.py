@@ -97,7 +97,7 @@ def test_the_deadline_is_arrival_plus_the_earlier_of_timeout_and_deadline_ms() -
     run(cluster, test)
 
 
-def test_the_process_cap_answers_503_and_the_tenant_cap_429_while_requests_are_held() -> None:
+def test_the_process_cap_and_the_tenant_cap_both_answer_429_with_retry_after_while_requests_are_held() -> None:
     cluster = cluster_with(GatewayConfig(max_concurrency=2), (TenantConfig("open", max_concurrent_requests=1), TenantConfig("keyed", api_key_env="K_KEY")))
 
     async def test(session: ClientSession, url: str, down: FakeDownstream) -> None:
@@ -111,8 +111,9 @@ def test_the_process_cap_answers_503_and_the_tenant_cap_429_while_requests_are_h
         second = asyncio.ensure_future(session.post(url + "/v1/recommendations", json={"user_id": 3}, headers={"X-API-Key": KEY}))
         await down.entered.wait()  # now the process holds 2 = max_concurrency
         async with session.post(url + "/v1/recommendations", json={"user_id": 4}, headers={"X-API-Key": KEY}) as resp:
-            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
-            assert "max_concurrency" in (await resp.json())["error"]["message"]
+            assert resp.status == 429 and resp.headers["Retry-After"] == "1"  # shed (issue 17), not "unavailable"
+            err = (await resp.json())["error"]
+            assert err["kind"] == "resource_exhausted" and err["status"] == 429 and "max_concurrency" in err["message"]
         down.hold.set()
         for fut in (first, second):
             resp = await fut

@@ -21,12 +21,13 @@ from prometheus_client.registry import REGISTRY
 
 from embedding_server.cache import RowCache
 from recserve.config.spec import CascadeConfig, LookupConfig, RankerConfig, ShardServerConfig
-from recserve.errors import ConfigError
+from recserve.errors import ConfigError, ResourceExhausted
 from recserve.lookup.client import LookupClient
 from recserve.lookup.stats import LookupStats
 from recserve.metrics.collectors import LookupCollector, SchedulerCollector, ShardCollector, Sources
 from recserve.metrics.interceptor import MetricsInterceptor, metered_handler, split_method
 from recserve.metrics.serve import start_and_record, start_metrics_server
+from recserve.scheduling import FeatureParallelConfig, FeatureParallelPolicy, Priority, WorkItem
 from recserve.scheduling.core import Scheduler
 from recserve.scheduling.loop import ServingLoop
 from recserve.scheduling.policy_base import Policy
@@ -193,13 +194,14 @@ def test_the_shard_and_scheduler_collectors_label_their_samples() -> None:
     registry.register(sched)
     reading = {"rows_hot": 5.0, "rows_warm": 3.0, "rows_cold": 2.0, "row_cache_hits": 1.0, "row_cache_misses": 1.0, "row_cache_evictions": 0.0, "rocksdb_reads": 1.0}
     shard.track("shard", lambda: reading)
-    sched.track("a", "rank-dlrm", lambda: {"queue_depth": 2.0, "cancelled": 1.0, "expired": 0.0})
+    sched.track("a", "rank-dlrm", lambda: {"queue_depth": 2.0, "cancelled": 1.0, "expired": 0.0, "shed": 3.0})
     sched.track("b", "lookup", lambda: {"queue_depth": 0.0, "cancelled": 0.0, "expired": 4.0})
     assert [value("recserve_shard_rows_total", {"tier": t}, registry) for t in ("hot", "warm", "cold")] == [5.0, 3.0, 2.0]
     assert value("recserve_shard_rocksdb_reads_total", registry=registry) == 1.0
     assert value("recserve_scheduler_queue_depth", {"loop": "rank-dlrm"}, registry) == 2.0
     assert value("recserve_scheduler_cancelled_total", {"loop": "rank-dlrm"}, registry) == 1.0
     assert value("recserve_scheduler_expired_total", {"loop": "lookup"}, registry) == 4.0
+    assert value("recserve_scheduler_shed_total", {"loop": "rank-dlrm"}, registry) == 3.0
 
 
 # -- the scheduler's hooks ---------------------------------------------------------------
@@ -248,6 +250,37 @@ def test_a_serving_loop_exports_batch_sizes_queue_waits_depth_and_cancellations(
     assert value("recserve_scheduler_batch_size_count", labels) == 2.0  # [a], then [c, d]
     assert value("recserve_scheduler_batch_size_sum", labels) == 3.0
     assert value("recserve_scheduler_queue_wait_seconds_count", labels) == 3.0  # one per item taken
+
+
+def test_a_shed_request_moves_the_scraped_shed_counter_of_its_loop() -> None:
+    """Issue 17: a request refused at admission (slack below queue wait + service) counts
+    in ``recserve_scheduler_shed_total{loop=...}``, on a real ServingLoop and scrape."""
+    name = "test-metrics-shed-loop"
+    labels = {"loop": name}
+    before = value("recserve_scheduler_shed_total", labels)
+
+    async def runner(batch: Batch) -> list[Any]:
+        return [Done(None) for _ in batch.handles]
+
+    async def go() -> None:
+        policy = FeatureParallelPolicy(FeatureParallelConfig(window_ms=0.0, max_cost=1.0, dispatch_margin_ms=0.0))
+        loop = ServingLoop(Scheduler(policy), runner, max_inflight=1, name=name, clock=lambda: 0.0)
+        loop.start()
+        try:
+            sched = loop.scheduler
+            for _ in range(sched.admission.config.shed_after_batches):  # a warm estimate: 10 ms per batch
+                sched.service.observe(1.0, 0.010)
+            for i in range(10):  # 10 batches ahead, straight into the core: ~100 ms of queue wait
+                sched.add(WorkItem(f"q{i}", "t", Priority.STANDARD, 10.0, 1.0, payload=None), 0.0)
+            assert value("recserve_scheduler_shed_total", labels) == before  # queued, nothing shed yet
+            with pytest.raises(ResourceExhausted):
+                loop.submit_nowait("tight", deadline=0.02)  # 20 ms of slack < 110 ms
+            assert value("recserve_scheduler_shed_total", labels) == before + 1.0
+        finally:
+            await loop.aclose(drain=False)
+
+    asyncio.run(go())
+    assert value("recserve_scheduler_shed_total", labels) == before + 1.0  # kept after aclose
 
 
 # -- the lookup client's new counters ------------------------------------------------------

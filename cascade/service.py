@@ -27,6 +27,7 @@ so only the order is comparable across items, not the scale.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import logging
 import time
@@ -45,7 +46,7 @@ from cascade.sources import PopularByCategory, merge_candidates, recent_categori
 from recserve.client import RankingClient
 from recserve.config.spec import CascadeConfig, ClusterConfig, TlsConfig
 from recserve.errors import Cancelled, DeadlineExceeded, FailedPrecondition, InvalidArgument, RecserveError, ResourceExhausted, Unavailable
-from recserve.scheduling import AdmissionConfig, Batch, Done, DynamicBatchConfig, DynamicBatchPolicy, Failed, ItemStatus, Scheduler, ServingLoop
+from recserve.scheduling import AdmissionConfig, Batch, Done, DynamicBatchConfig, DynamicBatchPolicy, Failed, Scheduler, ServingLoop
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,17 @@ class Recommendation:
     degraded_reason: str
     index_version: str
     model_version: str
+
+
+@dataclasses.dataclass
+class _DoorCall:
+    """One Recommend in the door: the query, the benchmark trace, the caller's context
+    (copied at submit) and, while it runs, its task."""
+
+    query: RecommendQuery
+    trace: dict[Stage, np.ndarray] | None
+    context: contextvars.Context
+    task: asyncio.Task[Recommendation] | None = None
 
 
 @dataclasses.dataclass
@@ -171,30 +183,40 @@ class CascadeCore:
         if self._door_loop is not loop:  # the first call (or, in tests, a new event loop)
             if self._door_loop is not None:
                 self.door = self._new_door()
-            self.door.start()
+            # In an empty context: the door's driver (and every batch task it makes)
+            # copies the context it starts in, and this caller's (its API key, its
+            # request id) must not become every later call's.
+            contextvars.Context().run(self.door.start)
             self._door_loop = loop
-        result: Recommendation = await self.door.submit((q, trace), deadline=q.deadline, tenant=q.tenant, priority=q.priority,
-                                                        request_id=q.request_id or None)  # fmt: skip
+        call = _DoorCall(q, trace, contextvars.copy_context())
+        try:
+            result: Recommendation = await self.door.submit(call, deadline=q.deadline, tenant=q.tenant, priority=q.priority,
+                                                            request_id=q.request_id or None)  # fmt: skip
+        except asyncio.CancelledError:
+            if call.task is not None:  # running: its ranker calls are cancelled with it
+                call.task.cancel()
+            raise
         return result
 
     async def _run_door(self, batch: Batch) -> list[Done | Failed]:
-        """The door's runner: one call per batch (max_batch_cost 1)."""
-        handle = batch.handles[0]
-        q, trace = handle.item.payload
+        """The door's runner: one call per batch (max_batch_cost 1), run as its own task
+        in its caller's context (the caller's key goes to the rankers, its request id
+        into the logs), so the caller's cancellation can cancel it mid-stage."""
+        call: _DoorCall = batch.handles[0].item.payload
+        task = asyncio.get_running_loop().create_task(self._recommend(call.query, call.trace), context=call.context)
+        call.task = task
         try:
-            return [Done(await self._recommend(q, trace, cancelled=lambda: handle.status is ItemStatus.CANCELLED))]
+            return [Done(await task)]
+        except asyncio.CancelledError:
+            if not task.cancelled():
+                raise  # the runner itself was cancelled
+            return [Failed(Cancelled(f"request {call.query.request_id or call.query.user_id}: cancelled by its caller"))]
         except RecserveError as exc:
             return [Failed(exc)]
+        finally:
+            call.task = None
 
-    async def _recommend(self, q: RecommendQuery, trace: dict[Stage, np.ndarray] | None, *,
-                         cancelled: Callable[[], bool] = lambda: False) -> Recommendation:  # fmt: skip
-        """L0-L3. A call its caller cancelled stops at the next stage boundary (its
-        answer would be discarded; the rankers' time is better spent on live calls)."""
-
-        def check() -> None:
-            if cancelled():
-                raise Cancelled(f"request {q.request_id or q.user_id}: cancelled by its caller; later stages not run")
-
+    async def _recommend(self, q: RecommendQuery, trace: dict[Stage, np.ndarray] | None) -> Recommendation:
         budget = self.planner.open(q.deadline, self.clock())  # DEADLINE_EXCEEDED before any stage
         sizes = stage_sizes_for(self.config, self.view.num_items, q.k)
         history = self.view.history(q.user_id)
@@ -202,14 +224,12 @@ class CascadeCore:
         cold = q.user_id >= self.view.num_users
         reports: list[StageReport] = []
         order, user_vector, index_version, cold = await self._l0(q, budget, sizes.l0, history, seen, cold, reports)
-        check()
         if trace is not None:
             trace[Stage.L0] = order.ids
         order = self._l1(budget, order, user_vector, cold, sizes.l1, reports)
         if trace is not None:
             trace[Stage.L1] = order.ids
         order = await self._rank_stage(Stage.L2, "dlrm", q, budget, order, sizes.l2, reports)
-        check()
         if trace is not None:
             trace[Stage.L2] = order.ids
         order = await self._rank_stage(Stage.L3, "l3", q, budget, order, sizes.l3, reports)

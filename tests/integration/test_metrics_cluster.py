@@ -30,6 +30,7 @@ from recserve.cluster import ShardCluster
 from recserve.cluster.cascade import CascadeCluster
 from recserve.cluster.rankers import RankerCluster
 from recserve.rpc.deadline import make_header
+from recserve.rpc.health import DEEP_CHECK_INTERVAL_ENV
 from recserve.rpc.tensors import pack, unpack
 from recserve.v1 import admin_pb2, embedding_pb2, ranking_pb2, recommender_pb2
 from recserve.v1.admin_pb2_grpc import AdminStub
@@ -74,10 +75,14 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     world = make_ranker_world(tmp_path_factory.mktemp("metrics"))
     spec = world.root / "metrics.toml"
     spec.write_text(spec_text(world.export.manifest, world.models, EXTRA))
-    with ShardCluster(world.plan_path, world.root / "shards", load_from=world.models, fault_hook=True) as shards:
-        with RankerCluster(spec, world.models, shards.addresses, num_rankers=1, data_root=world.root / "rankers") as rankers:
-            with CascadeCluster(spec, world.models, rankers.addresses, shards.addresses, data_root=world.root / "cascade") as cascade:
-                yield Cluster(world, shards, rankers, cascade)
+    # The tests compare counters read twice; the ranker's and the cascade's periodic deep
+    # checks (a fixed Rank, a fixed Recommend) would move them in between: none run here.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(DEEP_CHECK_INTERVAL_ENV, "3600")
+        with ShardCluster(world.plan_path, world.root / "shards", load_from=world.models, fault_hook=True) as shards:
+            with RankerCluster(spec, world.models, shards.addresses, num_rankers=1, data_root=world.root / "rankers") as rankers:
+                with CascadeCluster(spec, world.models, rankers.addresses, shards.addresses, data_root=world.root / "cascade") as cascade:
+                    yield Cluster(world, shards, rankers, cascade)
 
 
 def scrape(url: str) -> Scrape:

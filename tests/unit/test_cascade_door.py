@@ -1,8 +1,9 @@
 """The cascade's door (issue 17, "shedding at the door"): Recommend calls run at most
 ``cascade.max_concurrent`` at once through the scheduler core; a call whose slack is
 below the queue wait ahead plus a call's measured duration is shed at once with
-RESOURCE_EXHAUSTED and a retry hint; expired calls never run; a cancelled call stops at
-the next stage boundary; an idle door runs even a tight call (answered degraded).
+RESOURCE_EXHAUSTED and a retry hint; expired calls never run; a cancelled call cancels
+its ranker calls in flight; each call runs in its own caller's context (the API key it
+forwards); an idle door runs even a tight call (answered degraded).
 
 A fake ranking client with explicit setters holds the rank stages on an event or
 delays them; the oracle is which calls reached the client."""
@@ -10,6 +11,7 @@ delays them; the oracle is which calls reached the client."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import time
 from typing import Any
@@ -36,9 +38,15 @@ class GatedClient(FakeRankingClient):
     def set_gate(self, gate: asyncio.Event | None) -> None:
         self.gate = gate
 
+    cancelled = 0  # Rank calls cancelled while held at the gate
+
     async def rank(self, user_id: int, candidate_ids: np.ndarray, *, model: str = "", **kw: Any) -> Any:
         if self.gate is not None:
-            await self.gate.wait()
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
         if self.delay_s:
             await asyncio.sleep(self.delay_s)
         return await super().rank(user_id, candidate_ids, model=model, **kw)
@@ -119,22 +127,56 @@ def test_a_call_whose_deadline_passes_in_the_queue_never_runs() -> None:
     asyncio.run(main())
 
 
-def test_a_cancelled_call_stops_at_the_next_stage_boundary() -> None:
+def test_a_cancelled_call_cancels_its_ranker_call_in_flight() -> None:
     async def main() -> None:
         c, client = door_core(max_concurrent=2)
         gate = asyncio.Event()
         client.set_gate(gate)
         call = asyncio.ensure_future(ask(c, 10.0))
-        await asyncio.sleep(0.01)  # now waiting in L2
+        await asyncio.sleep(0.01)  # now waiting in L2's Rank
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call
+        await asyncio.sleep(0.01)
+        assert client.cancelled == 1  # the Rank it was waiting on was cancelled, not left running
         gate.set()
         other = await ask(c, 10.0)  # a live call still runs every stage
-        await asyncio.sleep(0.01)
         models = [m for m, _ in client.calls]
-        assert models == ["dlrm", "dlrm", "l3"], models  # the cancelled call never reached L3
-        assert len(other.item_ids) == 10 and c.requests == 1
+        assert models == ["dlrm", "l3"], models  # the cancelled call's Rank never completed, its L3 never ran
+        assert len(other.item_ids) == 10 and c.requests == 1 and c.door.scheduler.queued_count == 0
+        await c.aclose()
+
+    asyncio.run(main())
+
+
+CALLER: contextvars.ContextVar[str] = contextvars.ContextVar("caller", default="")
+
+
+class ContextClient(GatedClient):
+    """Records, per Rank, the caller context variable it runs under (what the real
+    client reads for the caller's API key: recserve.rpc.auth.CALLER_API_KEY)."""
+
+    seen: list[tuple[int, str]]
+
+    async def rank(self, user_id: int, candidate_ids: np.ndarray, *, model: str = "", **kw: Any) -> Any:
+        self.seen.append((user_id, CALLER.get()))
+        return await super().rank(user_id, candidate_ids, model=model, **kw)
+
+
+def test_each_call_runs_in_its_own_callers_context_not_the_first_callers() -> None:
+    async def caller(c: CascadeCore, user: int, key: str) -> Any:
+        CALLER.set(key)  # as the gRPC edge binds the caller's key before calling the core
+        return await ask(c, 10.0, user=user)
+
+    async def main() -> None:
+        c, plain = door_core(max_concurrent=2)
+        client = ContextClient(plain.vector, plain.item_scores)
+        client.seen = []
+        c.client = client  # type: ignore[assignment]
+        await asyncio.create_task(caller(c, 1, "key-of-1"))  # the first call starts the door
+        await asyncio.gather(*(asyncio.create_task(caller(c, u, f"key-of-{u}")) for u in (2, 3, 4)))
+        await asyncio.create_task(caller(c, 5, ""))  # a caller without a key sends none
+        assert sorted(set(client.seen)) == [(1, "key-of-1"), (2, "key-of-2"), (3, "key-of-3"), (4, "key-of-4"), (5, "")]
         await c.aclose()
 
     asyncio.run(main())

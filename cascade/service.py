@@ -183,10 +183,7 @@ class CascadeCore:
         if self._door_loop is not loop:  # the first call (or, in tests, a new event loop)
             if self._door_loop is not None:
                 self.door = self._new_door()
-            # In an empty context: the door's driver (and every batch task it makes)
-            # copies the context it starts in, and this caller's (its API key, its
-            # request id) must not become every later call's.
-            contextvars.Context().run(self.door.start)
+            self.door.start()  # (its driver runs in an empty context: ServingLoop.start)
             self._door_loop = loop
         call = _DoorCall(q, trace, contextvars.copy_context())
         try:

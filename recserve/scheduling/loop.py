@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import inspect
 import itertools
 import logging
@@ -174,7 +175,11 @@ class ServingLoop:
         SCHEDULERS.track(self, self.name, self._metric_reading)
         if self._own_executor:
             self._executor = concurrent.futures.ThreadPoolExecutor(self.max_inflight, thread_name_prefix=f"recserve-{self.name}")
-        self._driver = self._loop.create_task(self._drive(), name=f"recserve-{self.name}-loop")
+        # An empty context: the driver and every batch task it creates copy it, and a
+        # batch serves many callers, so none may run in the context of whichever caller
+        # happened to start the loop (its API key, its request id: issue 17's "no
+        # answer crosses callers").
+        self._driver = self._loop.create_task(self._drive(), name=f"recserve-{self.name}-loop", context=contextvars.Context())
 
     async def aclose(self, *, drain: bool = True) -> None:
         """Stop accepting work. ``drain``: run everything queued to completion (windows

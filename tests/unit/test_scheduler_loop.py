@@ -407,3 +407,28 @@ def test_a_policy_bug_in_select_fails_queued_callers_and_aclose_still_waits_for_
         assert first.result() == 10
 
     run(test)
+
+
+def test_batches_never_run_in_the_context_of_the_caller_that_started_the_loop() -> None:
+    """A batch serves many callers: it must not see the context variables (an API key, a
+    request id) of whichever caller happened to start the loop, or of any one caller."""
+    import contextvars
+
+    key: contextvars.ContextVar[str] = contextvars.ContextVar("key", default="")
+    seen: list[str] = []
+
+    async def runner(batch: Batch) -> list[Done]:
+        seen.append(key.get())
+        return [Done(None) for _ in batch.handles]
+
+    async def test() -> None:
+        loop = ServingLoop(Scheduler(DynamicBatchPolicy(DynamicBatchConfig(max_batch_cost=1.0, max_wait_ms=0.0, adaptive=False))), runner, 2)
+        key.set("first caller's key")  # the caller that starts the loop (lazily, as the cascade's door did)
+        loop.start()
+        await loop.submit("a")
+        key.set("second caller's key")
+        await loop.submit("b")
+        await loop.aclose()
+        assert seen == ["", ""]
+
+    run(test)

@@ -23,7 +23,7 @@ import grpc
 import numpy as np
 
 from cascade.report import to_proto
-from cascade.service import CascadeCore, RecommendQuery, Recommendation, open_cascade
+from cascade.service import PROBE_REQUEST_ID, CascadeCore, RecommendQuery, Recommendation, open_cascade
 from recserve.config.spec import ClusterConfig, TlsConfig
 from recserve.errors import PermissionDenied, RecserveError, ResourceExhausted, Unauthenticated, Unimplemented
 from recserve.metrics import catalog
@@ -193,7 +193,7 @@ def recommend_baseline(core: CascadeCore, config: CascadeProcessConfig) -> Basel
     async def answer() -> tuple[np.ndarray, np.ndarray] | None:
         nonlocal refused
         query = core.query(PROBE_USER, 0, none, none, deadline=time.monotonic() + PROBE_DEADLINE_S, tenant="",
-                           priority="critical", request_id="recserve-deep-check")  # fmt: skip
+                           priority="critical", request_id=PROBE_REQUEST_ID)  # fmt: skip
         try:
             rec = await core.recommend(query)
         except ResourceExhausted:  # shed: the cascade is busy, not broken

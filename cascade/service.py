@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 # The two-tower was trained with most of the logQ popularity correction applied, so its
 # inner products under-rate popular items that the click model still favours.
 POPULARITY_PRIOR = 0.05
+# The request id of the deep check's fixed Recommend (cascade/server.py): served like any
+# call, but not an impression, so it stays out of the serving log.
+PROBE_REQUEST_ID = "recserve-deep-check"
 # Faults an RPC stage absorbs by passing the previous order through.
 PASS_THROUGH = (DeadlineExceeded, Unavailable, ResourceExhausted)
 
@@ -239,7 +242,7 @@ class CascadeCore:
             degraded=summary.degraded, degraded_reason=summary.degraded_reason.value, index_version=index_version, model_version=self.view.model_version,
         )  # fmt: skip
         # ---- serving log (cascade/serving_log.py): encode + enqueue, the file is written off the loop
-        if self.serving_log is not None:
+        if self.serving_log is not None and q.request_id != PROBE_REQUEST_ID:
             self.serving_log.append(q.request_id, q.user_id, rec)
         return rec
 

@@ -227,3 +227,21 @@ def test_the_cascade_logs_every_response(tmp_path: Path) -> None:
     assert got.impressions.user.tolist() == [1] * 10 + [2] * 10
     assert got.score.tolist() == np.concatenate([r.scores for r in results]).tolist()
     assert {r.model_version for r in got.requests} == {"m-test"} and got.requests[0].index_version == results[0].index_version
+
+
+def test_the_deep_checks_fixed_recommend_is_not_an_impression(tmp_path: Path) -> None:
+    from cascade.service import PROBE_REQUEST_ID
+    from tests.unit.test_cascade_core import core
+
+    c, _, _ = core(np.random.default_rng(5), factory="Flat")
+    c.serving_log = started(tmp_path / "s.log")
+    none = np.zeros(0, np.int64)
+
+    async def both() -> None:
+        for rid in (PROBE_REQUEST_ID, "feed-1"):
+            await c.recommend(c.query(1, 10, none, none, deadline=c.clock() + 10.0, request_id=rid))
+        await c.aclose()
+
+    asyncio.run(both())
+    got = read_serving_log(tmp_path / "s.log")
+    assert [r.request_id for r in got.requests] == ["feed-1"]

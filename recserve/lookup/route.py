@@ -5,7 +5,8 @@ module picks *one* destination per fetch and groups the fetches into
 :class:`FetchUnit` s — (shard, table, column slice, positions) — which the fan-out packs
 into one RPC per shard.
 
-* **cold** ids go to their ring owner (the first live owner when ``cold_replicas > 1``);
+* **cold** ids go to their ring owner (the first live owner when ``cold_replicas > 1``,
+  a fast one before a slow one);
   the other live owners are kept as failover alternatives.
 * **warm** ids go to every column slice's shard; a warm row whose slices are not all on
   live shards cannot be completed and is not requested.
@@ -34,6 +35,7 @@ from recserve.sharding.plan import TablePlan
 from recserve.sharding.router import TableRouter
 
 _NONE = np.zeros(0, dtype=np.int64)
+_MASK_GROUPS = 4  # up to this many destination shards, _group splits by masks, not a sort
 
 
 @dataclasses.dataclass(slots=True)
@@ -126,6 +128,16 @@ def _group(shards: np.ndarray, positions: np.ndarray, alternatives: np.ndarray, 
     """Split ``positions`` [n] by destination ``shards`` [n]: one unit per shard."""
     if shards.size == 0:
         return []
+    present = np.flatnonzero(np.bincount(shards))
+    if present.size == 1:  # one destination: the unit is the input, no copy
+        return [FetchUnit(int(present[0]), table, positions, col[0], col[1], alternatives)]
+    if present.size <= _MASK_GROUPS:
+        # A few destinations: one boolean mask each beats a sort (same units, same order).
+        units = []
+        for s in present.tolist():
+            m = shards == s
+            units.append(FetchUnit(s, table, np.compress(m, positions), col[0], col[1], np.compress(m, alternatives, axis=0)))
+        return units
     order = np.argsort(shards, kind="stable")
     s_sorted = shards[order]
     cut = np.flatnonzero(np.diff(s_sorted)) + 1
@@ -154,6 +166,15 @@ def first_live(cands: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarra
     valid = idx < k
     alts = np.where(valid, np.take_along_axis(cands, np.minimum(idx, k - 1), axis=1), -1)
     return has, chosen, alts.astype(np.int32)
+
+
+def _fast_first(cands: np.ndarray, live: np.ndarray, slow: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``cands`` [n, K] and ``live`` [n, K] reordered per row: live and fast, then live
+    and slow, then the rest, each group in its original order."""
+    k = cands.shape[1]
+    fast = live & ~np.take(slow, cands)
+    order = np.argsort(np.where(fast, 0, np.where(live, 1, 2)) * k + np.arange(k)[None, :], axis=1, kind="stable")
+    return np.take_along_axis(cands, order, axis=1), np.take_along_axis(live, order, axis=1)
 
 
 def route_window(
@@ -189,7 +210,13 @@ def route_window(
         if routes.cold_index.size:
             pos = pos_all[routes.cold_index]
             owners = routes.cold_shards
-            has, chosen, alts = first_live(owners, np.take(state.live, owners))
+            live = np.take(state.live, owners)
+            if owners.shape[1] > 1 and bool(state.slow.any()):
+                # Replicated cold rows avoid a slow owner as hot ones do: fast live owners
+                # first, a slow one kept as the failover (a shard slow for seconds would
+                # otherwise hold every window's cold rows until the hedge budget ran dry).
+                owners, live = _fast_first(owners, live, state.slow)
+            has, chosen, alts = first_live(owners, live)
             lost.append(pos[~has])
             units += _group(chosen[has], pos[has], alts[has], table, (0, 0))
             planned += np.bincount(chosen[has], minlength=num_shards)
@@ -221,6 +248,18 @@ def route_window(
     return RoutePlan(units=units, unroutable=unroutable)
 
 
+def rotate_replicas(cands: np.ndarray, rotation: int) -> np.ndarray:
+    """``cands`` [H, R] with row i rotated left by ``(i + rotation) % R``: column j of
+    the result is ``cands[i, (i + rotation + j) % R]``, so each replica column leads for
+    an equal share of the rows."""
+    h, r = cands.shape
+    if r == 2:  # the default hot_replicas: odd rows swap their two columns (no 2-D modulo)
+        odd = (np.arange(rotation, rotation + h) & 1).astype(bool)
+        return np.where(odd[:, None], cands[:, ::-1], cands)
+    rot = (np.arange(h)[:, None] + rotation + np.arange(r)[None, :]) % r
+    return np.take_along_axis(cands, rot, axis=1)
+
+
 def _assign_hot(
     cands: np.ndarray,
     state: ShardState,
@@ -234,8 +273,7 @@ def _assign_hot(
     h, r = cands.shape
     # Rotate each row's replica order: id i starts at column (i + rotation) % R, so each
     # replica column gets an equal share of the window.
-    rot = (np.arange(h)[:, None] + rotation + np.arange(r)[None, :]) % r
-    ordered = np.take_along_axis(cands, rot, axis=1)
+    ordered = rotate_replicas(cands, rotation)
     if bool(state.live.all()) and not bool(state.slow.any()):
         # Every replica live and fast (the common case): the rotation is the preference
         # order, so no per-row sort is needed (same result as the general path).

@@ -20,6 +20,7 @@ upsert cannot re-insert the old row after the upsert invalidated it.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from collections.abc import Mapping
 
@@ -28,10 +29,14 @@ import numpy as np
 
 @dataclasses.dataclass
 class _TableCache:
+    """``fetched_at`` and ``version`` carry one sentinel entry past the K slots (-inf,
+    -1), so slot -1 (an uncached id) reads as never fetched, version -1, in one
+    ``np.take`` without masking; nothing ever writes it."""
+
     ids: np.ndarray  # int64 [K] sorted
     rows: np.ndarray  # fp32 [K, D]
-    fetched_at: np.ndarray  # float64 [K] monotonic s; -inf = never
-    version: np.ndarray  # int64 [K]
+    fetched_at: np.ndarray  # float64 [K + 1] monotonic s; -inf = never
+    version: np.ndarray  # int64 [K + 1]
 
 
 class NearCache:
@@ -44,8 +49,8 @@ class NearCache:
             name: _TableCache(
                 ids=np.ascontiguousarray(ids, dtype=np.int64),
                 rows=np.zeros((ids.shape[0], dim), dtype=np.float32),
-                fetched_at=np.full(ids.shape[0], -np.inf),
-                version=np.zeros(ids.shape[0], dtype=np.int64),
+                fetched_at=np.full(ids.shape[0] + 1, -np.inf),
+                version=np.concatenate((np.zeros(ids.shape[0], dtype=np.int64), [-1])),
             )
             for name, (ids, dim) in tables.items()
             if ids.shape[0] > 0
@@ -92,10 +97,11 @@ class NearCache:
             self.occurrence_lookups += int(occ.sum())
             if t is None:
                 return np.zeros(ids.shape[0], dtype=bool), np.zeros((0, 0), dtype=np.float32), slot
-            cached = slot >= 0
-            fresh = np.zeros(ids.shape[0], dtype=bool)
-            fresh[cached] = np.take(t.fetched_at, slot[cached]) >= now - self.staleness_s
-            self.hits += int(fresh.sum())
+            # Never fetched (-inf, also slot -1's sentinel) is never fresh, even with an
+            # infinite staleness bound.
+            oldest = max(now - self.staleness_s, -sys.float_info.max)
+            fresh = np.take(t.fetched_at, slot) >= oldest
+            self.hits += int(np.count_nonzero(fresh))
             self.occurrence_hits += int(occ[fresh].sum())
             return fresh, np.take(t.rows, slot[fresh], axis=0), slot
 
@@ -105,7 +111,7 @@ class NearCache:
         if t is None:
             return np.full(slot.shape[0], -1, dtype=np.int64)
         with self._lock:
-            return np.where(slot >= 0, np.take(t.version, np.maximum(slot, 0)), -1)
+            return np.take(t.version, slot)  # slot -1: the -1 sentinel
 
     def fill(self, table: str, slot: np.ndarray, version_at_send: np.ndarray, rows: np.ndarray, now: float) -> int:
         """Store fetched ``rows`` [n, D] into ``slot`` [n] unless the row was invalidated
@@ -114,7 +120,7 @@ class NearCache:
         if t is None or slot.size == 0:
             return 0
         with self._lock:
-            ok = (slot >= 0) & (np.take(t.version, np.maximum(slot, 0)) == version_at_send)
+            ok = (slot >= 0) & (np.take(t.version, slot) == version_at_send)
             s = slot[ok]
             t.rows[s] = rows[ok]
             t.fetched_at[s] = now

@@ -147,14 +147,19 @@ def _per_feature(cum: np.ndarray, w: TableWindow, callers: Sequence[int], parts:
     return np.asarray(cum[start + fc] - cum[start])
 
 
-def _pool_rows(w: TableWindow, sel: np.ndarray, bag_sel: np.ndarray, rows: np.ndarray, mode: str) -> torch.Tensor:
+def _pool_rows(w: TableWindow, sel: np.ndarray | None, bag_sel: np.ndarray | None, rows: np.ndarray, mode: str) -> torch.Tensor:
     """Bags [len(bag_sel), D] of the callers ``sel`` pooled over the unique ``rows``
-    [U, D]: one embedding_bag, the kernel and order of TorchRec's EmbeddingBagCollection."""
-    occ_sel = _segments(w.id_offsets[sel], w.id_offsets[sel + 1])
-    inv = w.inverse if occ_sel.size == w.inverse.size else w.inverse[occ_sel]
-    lens = w.bag_lengths if bag_sel.size == w.bag_lengths.size else w.bag_lengths[bag_sel]
-    offsets = np.zeros(lens.shape[0], dtype=np.int64)
-    np.cumsum(lens[:-1], out=offsets[1:])
+    [U, D]: one embedding_bag, the kernel and order of TorchRec's EmbeddingBagCollection.
+    ``sel`` / ``bag_sel`` None: every caller and bag of the window (the common case,
+    with no index arithmetic)."""
+    if sel is None or bag_sel is None:
+        inv, offsets = w.inverse, w.bag_starts()
+    else:
+        # Always indexed: a selection of every caller in another order is not the window.
+        inv = w.inverse[_segments(w.id_offsets[sel], w.id_offsets[sel + 1])]
+        lens = w.bag_lengths[bag_sel]
+        offsets = np.zeros(lens.shape[0], dtype=np.int64)
+        np.cumsum(lens[:-1], out=offsets[1:])
     return F.embedding_bag(_tensor(inv), _tensor(rows), _tensor(offsets), mode=mode)
 
 
@@ -177,6 +182,9 @@ def resolve_callers(
     missing = [dict.fromkeys(callers[c].keys, 0) for c in group]
     missing_bags: list[dict[str, np.ndarray]] = [{} for _ in group]
     not_found = [0] * len(group)
+    any_missing = False
+    # The whole window in window order (the usual group): pooling needs no index arithmetic.
+    whole = idx.shape[0] == len(callers) and bool((idx == np.arange(len(callers))).all())
 
     for table, w in windows.items():
         asm = assemblies[table]
@@ -189,6 +197,7 @@ def resolve_callers(
         for flags, kind in ((~complete, "missing"), (asm.not_found, "not_found")):
             if not flags.any():
                 continue  # the common case: nothing to count
+            any_missing |= kind == "missing"
             occ_flags = np.take(flags, w.inverse)
             cum = np.concatenate(([0], np.cumsum(occ_flags)))
             counts = _per_feature(cum, w, member_callers, parts).tolist()
@@ -210,25 +219,30 @@ def resolve_callers(
         pooled_members = [j for j, c in zip(members, member_callers) if callers[c].pooled]
         flat_members = [j for j, c in zip(members, member_callers) if not callers[c].pooled]
         if pooled_members:
-            sel = idx[pooled_members]
-            bag_sel = _segments(w.bag_offsets[sel], w.bag_offsets[sel + 1])
+            sel = None if whole and len(pooled_members) == len(group) else idx[pooled_members]
+            bag_sel = None if sel is None else _segments(w.bag_offsets[sel], w.bag_offsets[sel + 1])
             if asm.pooled is not None:
                 # A copy: later partials of this window must not change a resolved result.
-                out = _tensor(np.take(asm.pooled, bag_sel, axis=0))
+                out = _tensor(asm.pooled.copy() if bag_sel is None else np.take(asm.pooled, bag_sel, axis=0))
                 if asm.has_rows:  # rows that arrived as rows (warm slices, hedges)
                     out += _pool_rows(w, sel, bag_sel, rows, "sum")
                 if pooling[table] == "mean":
-                    counts_f = _tensor(np.maximum(np.take(w.bag_lengths, bag_sel), 1).astype(np.float32))
-                    out = out / counts_f[:, None]
+                    lens = w.bag_lengths if bag_sel is None else np.take(w.bag_lengths, bag_sel)
+                    out = out / _tensor(np.maximum(lens, 1).astype(np.float32))[:, None]
             else:
                 out = _pool_rows(w, sel, bag_sel, rows, pooling[table])
-            start = 0
+            # One split into every (caller, feature) block [B, D]: views, one torch call.
+            sizes: list[int] = []
             for j in pooled_members:
                 caller = callers[group[j]]
-                part, b = caller.tables[table], caller.batch_size
-                for f in part.features:
-                    blocks[j][f] = out[start : start + b]
-                    start += b
+                sizes += [caller.batch_size] * len(caller.tables[table].features)
+            pieces = out.split(sizes) if len(sizes) > 1 else (out,)
+            k = 0
+            for j in pooled_members:
+                block = blocks[j]
+                for f in callers[group[j]].tables[table].features:
+                    block[f] = pieces[k]
+                    k += 1
         if flat_members:
             sel = idx[flat_members]
             occ_sel = _segments(w.id_offsets[sel], w.id_offsets[sel + 1])
@@ -247,14 +261,18 @@ def resolve_callers(
         caller = callers[c]
         pooled_kt = None
         if caller.pooled:
-            if len(caller.keys) == 1:
-                values = blocks[j][caller.keys[0]]
-            elif caller.keys:
-                values = torch.cat([blocks[j][f] for f in caller.keys], dim=1)
+            keys = caller.keys
+            if len(keys) == 1:
+                values = blocks[j][keys[0]]
+                dims = [values.shape[1]]
             else:
-                values = torch.zeros(caller.batch_size, 0)
-            dims = [int(blocks[j][f].shape[1]) for f in caller.keys]
-            pooled_kt = KeyedTensor(keys=list(caller.keys), length_per_key=dims, values=values)
+                parts_kt = [blocks[j][f] for f in keys]
+                values = torch.cat(parts_kt, dim=1) if parts_kt else torch.zeros(caller.batch_size, 0)
+                dims = [p.shape[1] for p in parts_kt]
+            # __new__ + __init__: the same object as KeyedTensor(...) without torch.fx's
+            # proxy metaclass check, which costs more than the rest of a caller's result.
+            pooled_kt = KeyedTensor.__new__(KeyedTensor)
+            pooled_kt.__init__(keys=list(keys), length_per_key=dims, values=values)
         m = missing[j]
-        results.append(LookupResult(pooled=pooled_kt, rows=rows_out[j], lengths=lengths_out[j], missing=sum(m.values()), missing_by_feature=m, not_found=not_found[j], missing_bags=missing_bags[j]))
+        results.append(LookupResult(pooled_kt, rows_out[j], lengths_out[j], sum(m.values()) if any_missing else 0, m, not_found[j], missing_bags[j]))
     return results

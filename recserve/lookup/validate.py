@@ -99,7 +99,7 @@ def validate_features(
             bad = int(values[(values < 0) | (values >= rows)][0])
             raise InvalidArgument(f"feature {key!r}: table {table!r} has {rows:,} rows; id {bad:,} is out of range [0, {rows:,})")
         n = int(values.shape[0])
-        part = TableInput(features=keys, ids=values, lengths=lengths, feature_counts=np.full(1, n, dtype=np.int64))
+        part = TableInput(features=keys, ids=values, lengths=lengths, feature_counts=np.array((n,), dtype=np.int64))
         return CallerLookup(keys=keys, batch_size=batch, tables={table: part}, pooled=pooled, deadline=deadline, n_ids=n)
     by_table: dict[str, tuple[list[str], list[np.ndarray], list[np.ndarray]]] = {}
     start = 0

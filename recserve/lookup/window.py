@@ -39,6 +39,16 @@ class TableWindow:
     id_offsets: np.ndarray
     bag_lengths: np.ndarray
     bag_offsets: np.ndarray
+    _bag_starts: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
+
+    def bag_starts(self) -> np.ndarray:
+        """int64 [G]: where each bag's occurrences start (exclusive cumsum of
+        ``bag_lengths``; the offsets embedding_bag takes for the whole window)."""
+        if self._bag_starts is None:
+            starts = np.zeros(self.bag_lengths.shape[0], dtype=np.int64)
+            np.cumsum(self.bag_lengths[:-1], out=starts[1:])
+            self._bag_starts = starts
+        return self._bag_starts
 
     @property
     def occurrences(self) -> int:
@@ -101,28 +111,22 @@ def merge_window(callers: Sequence[CallerLookup], table_rows: Mapping[str, int] 
     Example: caller 0 asks table ``t`` for ids [5, 3, 5], caller 1 for [3, 9] ->
     ``unique_ids`` [3, 5, 9], ``inverse`` [1, 0, 1, 0, 2], ``id_offsets`` [0, 3, 5].
     """
-    tables: list[str] = []
-    for caller in callers:
-        for name in caller.tables:
-            if name not in tables:
-                tables.append(name)
+    tables = dict.fromkeys(name for caller in callers for name in caller.tables)  # first-seen order
     out: dict[str, TableWindow] = {}
     n = len(callers)
     for name in tables:
-        id_parts: list[np.ndarray] = []
-        len_parts: list[np.ndarray] = []
+        parts = [caller.tables.get(name) for caller in callers]
+        present = [p for p in parts if p is not None]
+        if len(present) == 1:
+            ids, lengths = present[0].ids, present[0].lengths
+        else:
+            ids = np.concatenate([p.ids for p in present]) if present else _EMPTY
+            lengths = np.concatenate([p.lengths for p in present]) if present else _EMPTY
+        # Per-caller counts with one fromiter each (0 for callers without this table).
         id_counts = np.zeros(n + 1, dtype=np.int64)
         bag_counts = np.zeros(n + 1, dtype=np.int64)
-        for c, caller in enumerate(callers):
-            part = caller.tables.get(name)
-            if part is None:
-                continue
-            id_parts.append(part.ids)
-            len_parts.append(part.lengths)
-            id_counts[c + 1] = part.ids.shape[0]
-            bag_counts[c + 1] = part.lengths.shape[0]
-        ids = np.concatenate(id_parts) if len(id_parts) > 1 else (id_parts[0] if id_parts else _EMPTY)
-        lengths = np.concatenate(len_parts) if len(len_parts) > 1 else (len_parts[0] if len_parts else _EMPTY)
+        id_counts[1:] = np.fromiter((0 if p is None else p.ids.shape[0] for p in parts), dtype=np.int64, count=n)
+        bag_counts[1:] = np.fromiter((0 if p is None else p.lengths.shape[0] for p in parts), dtype=np.int64, count=n)
         unique_ids, inverse = dedup(ids, None if table_rows is None else table_rows.get(name))
         out[name] = TableWindow(
             table=name,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -80,6 +81,7 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         # lookup clients' breakers take this replica out (recserve.rpc.health).
         self.not_serving = ""
         self.upserts_started = 0  # Upserts sent to the core: the deep check re-reads its rows after one
+        self.instance_id = secrets.token_hex(8)  # this process's, in ShardInfo (deep checks' epochs)
         self._probe_request: embedding_pb2.LookupRequest | None = None
         self._probe_expected: list[bytes] | None = None
         self._probe_upserts = -1
@@ -222,6 +224,7 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
             upserts=c.upserts,
             errors=c.errors,
             ready=self.core is not None,
+            instance_id=self.instance_id,
         )
 
     async def GetPlan(self, request: embedding_pb2.GetPlanRequest, context: grpc.aio.ServicerContext) -> embedding_pb2.GetPlanResponse:

@@ -243,15 +243,17 @@ class Baseline(Generic[T]):
         return now
 
 
-async def shard_upserts(addresses: Sequence[str], timeout_s: float = SHARD_INFO_TIMEOUT_S) -> tuple[int, ...] | None:
-    """Each shard's acknowledged upsert rows (``ShardInfo.upserts``; it restarts at 0
-    with the process, which also counts as a change), or None when one does not answer:
-    the epoch part of a deep check whose answer reads shard rows. Shards are plaintext."""
+async def shard_upserts(addresses: Sequence[str], timeout_s: float = SHARD_INFO_TIMEOUT_S) -> tuple[tuple[str, int], ...] | None:
+    """Each shard's ``(instance_id, acknowledged upsert rows)`` (``ShardInfo``), or None
+    when one does not answer: the epoch part of a deep check whose answer reads shard
+    rows. The count restarts at 0 with the process while the rows it counted survive
+    (RocksDB), so the instance id, drawn at each start, is part of it: a restart after
+    upserts must not read as "nothing changed". Shards are plaintext."""
 
-    async def one(address: str) -> int:
+    async def one(address: str) -> tuple[str, int]:
         async with grpc.aio.insecure_channel(address) as channel:
             reply = await embedding_pb2_grpc.EmbeddingShardStub(channel).ShardInfo(embedding_pb2.ShardInfoRequest(), timeout=timeout_s)
-            return int(reply.upserts)
+            return reply.instance_id, int(reply.upserts)
 
     try:
         return tuple(await asyncio.gather(*(one(a) for a in addresses)))

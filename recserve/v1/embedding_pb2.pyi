@@ -130,7 +130,7 @@ class TableTierInfo(_message.Message):
     def __init__(self, table: _Optional[str] = ..., rows: _Optional[int] = ..., dim: _Optional[int] = ..., hot_rows: _Optional[int] = ..., warm_rows: _Optional[int] = ..., warm_col_start: _Optional[int] = ..., warm_col_end: _Optional[int] = ..., cold_rows: _Optional[int] = ..., hot_bytes: _Optional[int] = ..., warm_bytes: _Optional[int] = ..., cold_bytes: _Optional[int] = ..., model_version: _Optional[str] = ...) -> None: ...
 
 class ShardInfoResponse(_message.Message):
-    __slots__ = ("shard_id", "plan_version", "tables", "rpcs", "ids_requested", "rows_served_hot", "rows_served_warm", "rows_served_cold", "rows_missing", "rows_not_owned", "row_cache_hits", "row_cache_misses", "row_cache_hit_rate", "p50_ms", "p99_ms", "cpu_seconds", "rss_bytes", "upserts", "errors", "ready")
+    __slots__ = ("shard_id", "plan_version", "tables", "rpcs", "ids_requested", "rows_served_hot", "rows_served_warm", "rows_served_cold", "rows_missing", "rows_not_owned", "row_cache_hits", "row_cache_misses", "row_cache_hit_rate", "p50_ms", "p99_ms", "cpu_seconds", "rss_bytes", "upserts", "errors", "ready", "instance_id")
     SHARD_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_VERSION_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class ShardInfoResponse(_message.Message):
     UPSERTS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     shard_id: int
     plan_version: int
     tables: _containers.RepeatedCompositeFieldContainer[TableTierInfo]
@@ -171,7 +172,8 @@ class ShardInfoResponse(_message.Message):
     upserts: int
     errors: int
     ready: bool
-    def __init__(self, shard_id: _Optional[int] = ..., plan_version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableTierInfo, _Mapping]]] = ..., rpcs: _Optional[int] = ..., ids_requested: _Optional[int] = ..., rows_served_hot: _Optional[int] = ..., rows_served_warm: _Optional[int] = ..., rows_served_cold: _Optional[int] = ..., rows_missing: _Optional[int] = ..., rows_not_owned: _Optional[int] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ..., row_cache_hit_rate: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., upserts: _Optional[int] = ..., errors: _Optional[int] = ..., ready: _Optional[bool] = ...) -> None: ...
+    instance_id: str
+    def __init__(self, shard_id: _Optional[int] = ..., plan_version: _Optional[int] = ..., tables: _Optional[_Iterable[_Union[TableTierInfo, _Mapping]]] = ..., rpcs: _Optional[int] = ..., ids_requested: _Optional[int] = ..., rows_served_hot: _Optional[int] = ..., rows_served_warm: _Optional[int] = ..., rows_served_cold: _Optional[int] = ..., rows_missing: _Optional[int] = ..., rows_not_owned: _Optional[int] = ..., row_cache_hits: _Optional[int] = ..., row_cache_misses: _Optional[int] = ..., row_cache_hit_rate: _Optional[float] = ..., p50_ms: _Optional[float] = ..., p99_ms: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., rss_bytes: _Optional[int] = ..., upserts: _Optional[int] = ..., errors: _Optional[int] = ..., ready: _Optional[bool] = ..., instance_id: _Optional[str] = ...) -> None: ...
 
 class GetPlanRequest(_message.Message):
     __slots__ = ()

@@ -190,7 +190,7 @@ class WindowRun:
             rt.stats.rpcs_primary += 1
             rt.budget.on_primary()
         replicated = any(u.alternatives.shape[1] > 0 and bool((u.alternatives[:, 0] >= 0).any()) for u in units)
-        delay = rt.tracker.hedge_delay(shard) if known else rt.tracker.default_delay_s
+        delay = rt.tracker.fleet_hedge_delay(shard) if known else rt.tracker.default_delay_s
         hedge_at = now + delay if replicated else math.inf
         call = _Call(shard, units, n_ids, now, hedge_at, is_hedge, counted=known)
         task = asyncio.ensure_future(rt.transport.lookup(shard, request, timeout))

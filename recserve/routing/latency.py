@@ -56,6 +56,8 @@ class LatencyTracker:
         self._late_run = np.zeros(num_shards, dtype=np.int64)  # consecutive late calls
         self._ejected_until = np.full(num_shards, -np.inf)
         self.ejections = 0
+        self._caps = np.full(num_shards, math.inf)  # fleet_hedge_delay's caps, and whether they are out of date
+        self._cap_dirty = True
 
     @property
     def num_shards(self) -> int:
@@ -77,6 +79,8 @@ class LatencyTracker:
         self._late_run = np.concatenate((self._late_run[:keep], np.zeros(max(0, num_shards - old), np.int64)))
         self._ejected_until = np.concatenate((self._ejected_until[:keep], np.full(max(0, num_shards - old), -np.inf)))
         self._dirty = np.ones(num_shards, dtype=bool)
+        self._caps = np.full(num_shards, math.inf)
+        self._cap_dirty = True
 
     def record(self, shard: int, latency_s: float, now: float) -> None:
         """One observed latency at ``now``. A call cancelled before it answered is
@@ -101,8 +105,37 @@ class LatencyTracker:
                 k = min(n - 1, max(0, int(np.ceil(self.percentile / 100.0 * n)) - 1))
                 p = float(np.partition(self._buf[shard, :n], k)[k])
                 self._delay[shard] = max(self.min_delay_s, p)
+                self._cap_dirty = True
             self._dirty[shard] = False
         return float(self._delay[shard])
+
+    def fleet_hedge_delay(self, shard: int) -> float:
+        """``hedge_delay(shard)``, capped at ``slow_factor`` x the median hedge delay of
+        the destinations measured: a destination's own percentile, once it is slow, is
+        its slowness (200 ms for a shard slow by 200 ms), so a call sent to it (its
+        re-probe, once it has been out of routing for ``slow_ttl_s``) would wait that
+        long before hedging to a fast replica. Capped, such a call hedges once it is
+        slower than "slow" means, and the re-probe still measures it (a hedged call's
+        own latency is recorded when it answers or is cancelled)."""
+        if self._cap_dirty or bool(self._dirty.any()):  # recomputed only when some destination's delay is (every 8 samples)
+            for s in range(self.num_shards):
+                self.hedge_delay(s)  # every delay current before the caps read them
+            self._caps = self._fleet_caps()
+            self._cap_dirty = False
+        return min(self.hedge_delay(shard), float(self._caps[shard]))
+
+    def _fleet_caps(self) -> np.ndarray:
+        """float [S]: per destination, ``slow_factor`` x the median hedge delay of the
+        *other* measured destinations (inf when none): with one of two or three slow,
+        the others' median is the fleet's fast latency. One pass per destination, every
+        8 samples of some destination (S is a shard or replica count, not an id count)."""
+        known = np.flatnonzero(self._count >= 8)
+        caps = np.full(self.num_shards, math.inf)
+        for s in range(self.num_shards):
+            others = self._delay[known[known != s]]
+            if others.size:
+                caps[s] = max(self.min_delay_s, self.slow_factor * float(np.median(others)))
+        return caps
 
     def on_late(self, shard: int, now: float) -> None:
         """A call to ``shard`` passed its hedge delay unanswered. ``late_strikes`` in a

@@ -103,3 +103,22 @@ def test_near_cache_staleness_bound_and_versions() -> None:
     assert cache.hit_rate == pytest.approx(5 / 16)  # no repeats given: the same
     cache.get("t", np.array([3]), now=0.2, occurrences=np.array([4]))
     assert cache.hit_rate == pytest.approx(9 / 20) and cache.unique_hit_rate == pytest.approx(6 / 17)
+
+
+def test_a_slow_shards_hedge_delay_is_capped_by_the_others_so_its_probes_hedge_early() -> None:
+    """A shard slow by 200 ms has a 200 ms percentile: a call sent to it (its re-probe
+    after slow_ttl_s) would wait that long before hedging. fleet_hedge_delay caps it at
+    slow_factor x the other shards' median (4 x 3 ms), and leaves the fast ones alone."""
+    for n in (2, 3):
+        t = LatencyTracker(n, min_delay_s=0.001, slow_factor=4.0)
+        for _ in range(40):
+            for s in range(n - 1):
+                t.record(s, 0.003, 0.0)
+            t.record(n - 1, 0.2, 0.0)
+        assert t.hedge_delay(n - 1) == pytest.approx(0.2)  # its own percentile: its slowness
+        assert t.fleet_hedge_delay(n - 1) == pytest.approx(0.012)
+        assert all(t.fleet_hedge_delay(s) == pytest.approx(0.003) for s in range(n - 1))  # not capped
+    lone = LatencyTracker(1)
+    for _ in range(40):
+        lone.record(0, 0.2, 0.0)
+    assert lone.fleet_hedge_delay(0) == pytest.approx(0.2)  # no other shard to compare with

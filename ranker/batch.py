@@ -212,27 +212,42 @@ class CrossBags:
 
 
 def cross_bags(lay: BatchLayout, feature: SparseFeature) -> CrossBags:
-    """:class:`CrossBags` of ``feature`` over the batch's pairs (arrays only)."""
+    """:class:`CrossBags` of ``feature`` over the batch's pairs (arrays only).
+
+    Request r's distinct crossed ids are the product ``K_r × Q_r`` of its distinct
+    history categories and its distinct candidate categories, so they are built as that
+    product (k-major, each sorted) and each entry's index into them is computed, not
+    searched: the only sorts are over the history ([H]) and the pairs ([P]), never over
+    the P · |K_r| entries (a sort there was 0.4 ms of a 500-candidate request).
+    """
     r, p = lay.num_requests, lay.num_pairs
     cat = np.asarray(lay.arrays.item_category)
     c = lay.arrays.num_categories
     hist = sparse_features(lay.arrays, (dataclasses.replace(feature, source=Source.HISTORY_CATEGORIES),), np.arange(r, dtype=np.int64), np.zeros(r, dtype=np.int64))
     hist_len = hist.lengths
     keys, counts = np.unique(np.repeat(np.arange(r, dtype=np.int64), hist_len) * c + hist.values, return_counts=True)  # (request, category), sorted
-    key_request, key_category = keys // c, keys % c
-    per_request = np.bincount(key_request, minlength=r).astype(np.int64)  # distinct history categories
+    key_category = keys % c
+    per_request = np.bincount(keys // c, minlength=r).astype(np.int64)  # |K_r|: distinct history categories
+    first_key = np.cumsum(per_request) - per_request
+    cands, cand_index = np.unique(lay.pair_request * c + np.take(cat, lay.pair_items), return_inverse=True)  # (request, candidate category), sorted
+    per_request_cands = np.bincount(cands // c, minlength=r).astype(np.int64)  # |Q_r|
+    first_cand = np.cumsum(per_request_cands) - per_request_cands
+    # The ids: request r's block of |K_r| · |Q_r| ids, id (j, m) = K_r[j] · C + Q_r[m].
+    sizes = per_request * per_request_cands
+    block_start = np.cumsum(sizes) - sizes
+    id_request = np.repeat(np.arange(r, dtype=np.int64), sizes)
+    within = np.arange(id_request.shape[0], dtype=np.int64) - np.take(block_start, id_request)
+    width = np.take(per_request_cands, id_request)  # > 0 wherever a block has ids
+    ids = np.take(key_category, np.take(first_key, id_request) + within // width) * c + np.take(cands % c, np.take(first_cand, id_request) + within % width)
+    # The entries: pair p's bag holds one entry per k in K_r (of its request r), weight n_k / H.
     bag_lengths = np.take(per_request, lay.pair_request)
     entry_pair = np.repeat(np.arange(p, dtype=np.int64), bag_lengths)
-    first_key = np.cumsum(per_request) - per_request
-    entry_key = np.repeat(np.take(first_key, lay.pair_request) - (np.cumsum(bag_lengths) - bag_lengths), bag_lengths) + np.arange(entry_pair.shape[0], dtype=np.int64)
-    crossed = np.take(key_category, entry_key) * c + np.take(cat, np.take(lay.pair_items, entry_pair))
-    weights = (np.take(counts, entry_key) / np.take(hist_len, np.take(lay.pair_request, entry_pair))).astype(np.float32)
-    space = c * c
-    per_request_ids, index = np.unique(np.take(lay.pair_request, entry_pair) * space + crossed, return_inverse=True)  # request-major
-    return CrossBags(
-        ids=(per_request_ids % space).astype(np.int64), id_lengths=np.bincount(per_request_ids // space, minlength=r).astype(np.int64),
-        index=index.astype(np.int64), weights=weights, bag_lengths=bag_lengths,
-    )  # fmt: skip
+    entry_request = np.take(lay.pair_request, entry_pair)
+    local_key = np.arange(entry_pair.shape[0], dtype=np.int64) - np.repeat(np.cumsum(bag_lengths) - bag_lengths, bag_lengths)
+    cand_pos = cand_index.reshape(-1) - np.take(first_cand, lay.pair_request)  # [P]: the pair's category within Q_r
+    index = np.take(block_start, entry_request) + local_key * np.take(per_request_cands, entry_request) + np.take(cand_pos, entry_pair)
+    weights = (np.take(counts, np.take(first_key, entry_request) + local_key) / np.take(hist_len, entry_request)).astype(np.float32)
+    return CrossBags(ids=ids.astype(np.int64, copy=False), id_lengths=sizes, index=index.astype(np.int64, copy=False), weights=weights, bag_lengths=bag_lengths)
 
 
 def missing_per_request(lay: BatchLayout, missing_bags: dict[str, np.ndarray], *, per_pair: bool) -> np.ndarray:

@@ -353,7 +353,13 @@ class RankingCore:
                 deadline = min(h.deadline for h in batch.handles)
                 model = ms.models[queries[0].model]
                 # The lookups stop waiting early enough to score and answer by the deadline.
-                looked = await self._lookup(ms, model, lay, deadline - self.config.reply_margin_ms / 1e3 - 2.0 * self._forward_s)
+                # When that point has already passed (the batch's tightest request is within
+                # the margin of its deadline), they get half the time left (at least 1 ms): a lookup whose
+                # deadline is past is refused, and that would fail every request of the batch
+                # (the deep check's included, and with it readiness), not only the tight one.
+                now = time.monotonic()
+                lookup_by = deadline - self.config.reply_margin_ms / 1e3 - 2.0 * self._forward_s
+                looked = await self._lookup(ms, model, lay, lookup_by if lookup_by > now else now + max((deadline - now) / 2, 0.001))
                 loop = asyncio.get_running_loop()
                 t0 = time.monotonic()
                 answers = await loop.run_in_executor(self._executor, self._forward, ms, model, queries, lay, looked)

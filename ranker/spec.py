@@ -50,7 +50,7 @@ def cluster_spec_toml(manifest: dict[str, Any], models_dir: Path | str, *, num_s
         "hot_replicas = 2",
         "",
         "[lookup]",
-        "window_ms = 1.0",
+        "# window_ms: LookupConfig's default (0: an idle client does not wait for company)",
         "",
         "[ranker]",
         'models = ["dlrm", "two_tower", "l3"]',

@@ -29,6 +29,7 @@ from recserve.catalog.storage import Csr
 from recserve.cluster import ShardCluster
 from recserve.cluster.rankers import RankerCluster
 from recserve.rpc.deadline import make_header
+from recserve.rpc.health import DEEP_CHECK_INTERVAL_ENV
 from recserve.rpc.tensors import pack, unpack
 from recserve.v1 import admin_pb2, ranking_pb2
 from recserve.v1.admin_pb2_grpc import AdminStub
@@ -62,10 +63,14 @@ class Served:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     world = make_ranker_world(tmp_path_factory.mktemp("ranking-service"))
-    with ShardCluster(world.plan_path, world.root / "shards", load_from=world.models) as shards:
-        with RankerCluster(world.spec_path, world.models, shards.addresses, num_rankers=1, data_root=world.root / "rankers") as rankers:
-            with grpc.insecure_channel(rankers.addresses[0]) as channel:
-                yield Served(world, shards, rankers, channel)
+    # Tests here count the ranker's forwards and lookup windows between two reads; its
+    # periodic deep check (a fixed Rank per model every 2 s) would add some: none run.
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(DEEP_CHECK_INTERVAL_ENV, "3600")
+        with ShardCluster(world.plan_path, world.root / "shards", load_from=world.models) as shards:
+            with RankerCluster(world.spec_path, world.models, shards.addresses, num_rankers=1, data_root=world.root / "rankers") as rankers:
+                with grpc.insecure_channel(rankers.addresses[0]) as channel:
+                    yield Served(world, shards, rankers, channel)
 
 
 def rank_request(user: int, items: np.ndarray, model: str = "dlrm", history: np.ndarray | None = None, timeout_s: float = TIMEOUT_S) -> ranking_pb2.RankRequest:
@@ -186,6 +191,24 @@ def test_50_concurrent_calls_run_as_at_most_8_forwards_and_8_lookup_windows(serv
         together = scores_by_item(resp)
         assert alone.keys() == together.keys()
         np.testing.assert_allclose([together[i] for i in alone], list(alone.values()), rtol=1e-5, atol=1e-6)
+
+
+def test_a_request_within_the_reply_margin_of_its_deadline_is_still_answered(served: Served, tmp_path: Path) -> None:
+    """The lookups stop ``ranker.reply_margin_ms`` (+ 2x forward) before the batch's
+    deadline; a request with less time left than that still gets its answer (the
+    lookups take the deadline itself), not DEADLINE_EXCEEDED for the whole batch."""
+    text = served.world.spec_path.read_text()
+    assert "[ranker]\n" in text
+    spec = tmp_path / "spec.toml"
+    spec.write_text(text.replace("[ranker]\n", "[ranker]\nreply_margin_ms = 900.0\n", 1))
+    items = np.arange(0, 60, 3, dtype=np.int64)
+    with RankerCluster(spec, served.world.models, served.shards.addresses, num_rankers=1, data_root=tmp_path / "rankers") as rankers:
+        with grpc.insecure_channel(rankers.addresses[0]) as channel:
+            stub = RankingStub(channel)
+            scores_by_item(stub.Rank(rank_request(2, items), timeout=TIMEOUT_S))  # warm: channels, first forward
+            resp = stub.Rank(rank_request(2, items, timeout_s=0.8), timeout=0.8)  # 800 ms < the 900 ms margin
+    assert sorted(unpack(resp.item_ids, "item_ids").tolist()) == items.tolist()
+    assert np.isfinite(unpack(resp.scores, "scores")).all()
 
 
 def _code(call: Any) -> tuple[grpc.StatusCode, str]:

@@ -116,3 +116,30 @@ def test_crossed_bags_pool_to_the_per_pair_mean_of_the_oracle() -> None:
                           per_sample_weights=torch.from_numpy(bags.weights))  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     assert float(got[lay.first_pair[3]].abs().sum()) == 0.0  # the cold user without history: an empty bag
+
+
+def test_an_idle_ranker_dispatches_at_once_and_a_busy_one_waits_its_window() -> None:
+    """IdleDispatchPolicy (fake clock): with no batch running, a lone request leaves at
+    once instead of waiting max_wait_ms for company; while a batch runs, later arrivals
+    wait the window and leave together."""
+    from recserve.scheduling import Done, DynamicBatchConfig, Priority, Scheduler, WorkItem
+    from ranker.service import IdleDispatchPolicy
+
+    def item(name: str) -> WorkItem:
+        return WorkItem(name, "t", Priority.STANDARD, 1e6, 500.0, None)
+
+    sched = Scheduler(IdleDispatchPolicy(DynamicBatchConfig(max_batch_cost=8192, max_wait_ms=5.0, adaptive=False, dispatch_margin_ms=0.0)))
+    sched.add(item("a"), 1.000)
+    assert sched.next_wakeup(1.000) == 1.000
+    first = sched.schedule(1.000)
+    assert first is not None and len(first) == 1
+    sched.add(item("b"), 1.001)  # the first batch still runs: the window applies
+    sched.add(item("c"), 1.002)
+    assert sched.schedule(1.002) is None
+    second = sched.schedule(1.006)
+    assert second is not None and len(second) == 2
+    sched.complete(first, [Done(None)], 1.007)
+    sched.complete(second, [Done(None)] * 2, 1.008)
+    sched.add(item("d"), 1.020)  # idle again
+    third = sched.schedule(1.020)
+    assert third is not None and len(third) == 1

@@ -65,7 +65,11 @@ class DeepCheckConfig:
     """How often the deep check runs and how long one may take before it counts as a
     failure (a wedged executor never answers)."""
 
-    interval_s: float = 2.0
+    # 5 s, not 2: the probe shares the replica's batches and executor with real traffic,
+    # and every 2 s it cost the tail near the knee (bench rank at 20/s: 97.9 % of
+    # requests within the 50 ms SLO with it, 99.0 % without). Detection within ~10 s
+    # (interval + timeout) is what a readiness probe gives on Kubernetes too.
+    interval_s: float = 5.0
     # Generous: the probe queues behind real work on a busy executor, and an overloaded
     # replica is not a broken one (shedding handles overload); a wedged one never answers.
     timeout_s: float = 5.0

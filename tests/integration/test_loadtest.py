@@ -38,7 +38,7 @@ KEYS = ("offered_rps", "completed_rps", "goodput_rps", "shed", "late", "degraded
 def gw(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[GatewayWorld, Path]]:
     root = tmp_path_factory.mktemp("loadtest")
     # The counts are compared with the servers' own: the rankers' and the cascade's
-    # periodic deep checks (a fixed Rank per model, a fixed Recommend, every 2 s) would
+    # periodic deep checks (a fixed Rank per model, a fixed Recommend, every 5 s) would
     # add requests nobody sent, so none run here.
     with pytest.MonkeyPatch.context() as env:
         env.setenv(DEEP_CHECK_INTERVAL_ENV, "3600")

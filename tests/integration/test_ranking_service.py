@@ -64,7 +64,7 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     world = make_ranker_world(tmp_path_factory.mktemp("ranking-service"))
     # Tests here count the ranker's forwards and lookup windows between two reads; its
-    # periodic deep check (a fixed Rank per model every 2 s) would add some: none run.
+    # periodic deep check (a fixed Rank per model every 5 s) would add some: none run.
     with pytest.MonkeyPatch.context() as env:
         env.setenv(DEEP_CHECK_INTERVAL_ENV, "3600")
         with ShardCluster(world.plan_path, world.root / "shards", load_from=world.models) as shards:

@@ -368,6 +368,25 @@ class StagePlanner:
     def open(self, deadline_s: float, now_s: float) -> RequestBudget:
         return RequestBudget.open(self.config, deadline_s, now_s)
 
+    def full_service_s(self, sizes: StageSizes) -> float:
+        """Seconds of budget (before the reply margin) that one call needs for every
+        stage to run whole: stage i gets ``share[i] / sum(share[i:])`` of what remains,
+        so with each earlier stage taking its predicted cost, that is the smallest
+        total for which each stage's prediction fits its share. The door admits a
+        queued call only with this much left after its wait: a call admitted with less
+        answers degraded, and degraded calls are short, so the door's own measured
+        call time would talk it into admitting more of them (bench faults, 3x burst)."""
+        shares = self.config.budget_shares
+        sizes_in = (sizes.l0, sizes.l0, sizes.l1, sizes.l2)  # candidates each stage takes in
+        need, spent = 0.0, 0.0
+        for stage in Stage:
+            rest = sum(shares[stage:])
+            cost = self.models[stage].predict(sizes_in[stage])
+            if shares[stage] > 0:
+                need = max(need, spent + cost * rest / shares[stage])
+            spent += cost
+        return max(need, spent)
+
     def plan(self, budget: RequestBudget, stage: Stage, n_in: int, now_s: float, *, min_n: int = 1) -> StageDecision:
         """The decision for ``stage`` on ``n_in`` candidates, starting at ``now_s``."""
         stage_s = stage_budget_s(self.config.budget_shares, stage, budget.remaining_s(now_s))

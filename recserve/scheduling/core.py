@@ -493,6 +493,12 @@ class Scheduler:
         wait_s = mean_s * max(0.0, batches_ahead - (self.parallelism - 1)) / self.parallelism
         return wait_s, max(mean_s, service.estimate_s(mean_cost))
 
+    def record_shed(self) -> None:
+        """Count a request its owner shed before ``add`` by a check of its own (the
+        cascade's door: its calls' undegraded cost), beside the ones this core sheds."""
+        self.shed += 1
+        self.metrics.drops[DropReason.REJECTED] += 1
+
     def _shed_check(self, item: WorkItem, now: float) -> None:
         """Shed ``item`` (ResourceExhausted) if its slack is below the estimated queue
         wait + service time: it could only be run into its deadline (admission.py)."""

@@ -196,3 +196,39 @@ def test_max_concurrent_bounds_the_calls_running_at_once() -> None:
         await c.aclose()
 
     asyncio.run(main())
+
+
+def test_a_queued_call_needs_slack_for_a_whole_undegraded_call_not_the_measured_one() -> None:
+    """Calls that degrade are short, so the door's measured call time under overload
+    understates what an undegraded call needs: the door also checks the stages' cost
+    model (StagePlanner.full_service_s) and sheds a would-be-queued call whose slack
+    after the wait cannot cover it, though the scheduler's own check would admit it."""
+    from cascade.budget import Stage, stage_sizes_for
+
+    async def main() -> None:
+        c, client = door_core(max_concurrent=1)
+        await warm(c)  # fast fake calls: the door measures ~ms per call
+        for _ in range(50):  # L2 (100 candidates) is known to take 200 ms when it runs whole
+            c.planner.models[Stage.L2].observe(100, 0.2)
+        need = c.planner.full_service_s(stage_sizes_for(c.config, c.view.num_items, 10))
+        assert need > 0.2 / c.config.budget_shares[2] * sum(c.config.budget_shares[2:]) * 0.99
+        gate = asyncio.Event()
+        client.set_gate(gate)
+        running = asyncio.ensure_future(ask(c, 10.0))
+        await asyncio.sleep(0.01)
+        wait_s, service_s = c.door.scheduler.estimated_wait_s()
+        slack = need * 0.8  # more than the measured wait + call (ms), less than an undegraded call needs
+        assert 0 < wait_s + service_s < slack
+        with pytest.raises(ResourceExhausted) as shed:
+            await ask(c, slack)
+        assert "undegraded call needs" in shed.value.message and c.door.scheduler.shed == 1
+        queued = asyncio.ensure_future(ask(c, need * 3))  # enough for the wait and a whole call: queued
+        await asyncio.sleep(0)
+        assert c.door.scheduler.queued_count == 1
+        gate.set()
+        await running
+        await queued
+        await c.aclose()
+
+    asyncio.run(main())
+

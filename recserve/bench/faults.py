@@ -215,15 +215,25 @@ def _wait_restarted(group: Any, k: int, old_pid: int, timeout_s: float = 120.0) 
 
 
 def _upsert_parts(plan: Any, shard_ids: tuple[int, ...], n: int, seed: int) -> tuple[str, list[tuple[int, np.ndarray, np.ndarray]]]:
-    """``n`` new rows for cold ids owned only by ``shard_ids``: (table, [(shard, ids, rows)])."""
+    """``n`` new rows for cold ids whose every owner is among ``shard_ids``, written to
+    every owner (each replica, as the client's replicated upsert writes them): ``(table,
+    [(shard, ids, rows)])``, one part per owner. A row written to one replica of two
+    would be read from either: two answers for one row, and every exact deep check
+    failing on them."""
     table = max(plan.tables.values(), key=lambda t: t.rows)
+    router = plan.router(table.name)
     rng = np.random.default_rng(seed)
+    cold = np.unique(np.concatenate([plan.assignment(k, table.name).cold_ids for k in shard_ids])).astype(np.int64)
+    owners = router.cold_owners_of(cold)
+    inside = np.isin(owners, np.asarray(shard_ids)).all(axis=1)
+    ids = rng.choice(cold[inside], size=min(n, int(inside.sum())), replace=False).astype(np.int64)
+    rows = rng.standard_normal((ids.size, table.dim)).astype(np.float32)
+    owners = router.cold_owners_of(ids)
     parts = []
-    per = [n // len(shard_ids) + (i < n % len(shard_ids)) for i in range(len(shard_ids))]
-    for k, m in zip(shard_ids, per):
-        ids = plan.assignment(k, table.name).cold_ids
-        ids = rng.choice(ids, size=min(m, ids.size), replace=False).astype(np.int64)
-        parts.append((k, ids, rng.standard_normal((ids.size, table.dim)).astype(np.float32)))
+    for k in shard_ids:
+        mine = (owners == k).any(axis=1)
+        if mine.any():
+            parts.append((k, ids[mine], rows[mine]))
     return table.name, parts
 
 
@@ -274,8 +284,18 @@ def _fault_upserts(stack: Any, n: int, seed: int, details: dict[str, Any]) -> in
         found, got = _read(shards.address(k), table, ids)
         same = found.astype(bool) & np.all(np.isclose(got, rows), axis=1) if got.shape == rows.shape else np.zeros(ids.size, dtype=bool)
         lost += int((~same).sum())
-    details["upserts"] = {"table": table, "rows_acknowledged": acked, "rows_read_back": int(sum(p[1].size for p in parts)) - lost}
+    details["upserts"] = {"table": table, "rows_acknowledged": acked, "rows_read_back": int(sum(p[1].size for p in parts)) - lost,
+                          "rows": int(np.unique(np.concatenate([p[1] for p in parts])).size)}  # fmt: skip
     return lost
+
+
+def _owned_rows(plan: Any, shard: int, n: int, seed: int) -> tuple[str, np.ndarray, np.ndarray]:
+    """``n`` cold ids ``shard`` owns (maybe with other replicas) and new rows for them."""
+    table = max(plan.tables.values(), key=lambda t: t.rows)
+    rng = np.random.default_rng(seed)
+    ids = plan.assignment(shard, table.name).cold_ids
+    ids = rng.choice(ids, size=min(n, ids.size), replace=False).astype(np.int64)
+    return table.name, ids, rng.standard_normal((ids.size, table.dim)).astype(np.float32)
 
 
 def _fault_disk_full(stack: Any, seed: int, details: dict[str, Any]) -> None:
@@ -285,8 +305,7 @@ def _fault_disk_full(stack: Any, seed: int, details: dict[str, Any]) -> None:
     from recserve.sharding.plan import ShardingPlan
 
     address = stack.shards.address(2)
-    table, parts = _upsert_parts(ShardingPlan.load(stack.plan_path), (2,), 20, seed + 1)
-    _, ids, rows = parts[0]
+    table, ids, rows = _owned_rows(ShardingPlan.load(stack.plan_path), 2, 20, seed + 1)  # refused: no replica diverges
     _, old = _read(address, table, ids)
     set_fault(address, disk_full=True)
     refused = 0

@@ -372,7 +372,7 @@ class StagePlanner:
         """Seconds of budget (before the reply margin) that one call needs for every
         stage to run whole: stage i gets ``share[i] / sum(share[i:])`` of what remains,
         so with each earlier stage taking its predicted cost, that is the smallest
-        total for which each stage's prediction fits its share. The door admits a
+        total for which each stage's fitted cost fits its share. The door admits a
         queued call only with this much left after its wait: a call admitted with less
         answers degraded, and degraded calls are short, so the door's own measured
         call time would talk it into admitting more of them (bench faults, 3x burst)."""
@@ -381,7 +381,10 @@ class StagePlanner:
         need, spent = 0.0, 0.0
         for stage in Stage:
             rest = sum(shares[stage:])
-            cost = self.models[stage].predict(sizes_in[stage])
+            # The point estimate (the fit, the prior before any measurement), not the
+            # planner's margin-padded prediction: this admits calls expected to run whole,
+            # and padding every stage's tail sheds ~1-2 % of calls at 70 % of the knee.
+            cost = self.models[stage].fit(sizes_in[stage])
             if shares[stage] > 0:
                 need = max(need, spent + cost * rest / shares[stage])
             spent += cost

@@ -214,8 +214,11 @@ class CascadeCore:
         wait_s, _ = sched.estimated_wait_s()
         if wait_s <= 0.0:
             return
+        now = self.clock()
+        if q.deadline <= now:  # already past: the scheduler answers DEADLINE_EXCEEDED, not a shed
+            return
         need_s = self.planner.full_service_s(stage_sizes_for(self.config, self.view.num_items, q.k))
-        slack_s = q.deadline - self.clock() - self.config.reply_margin_ms / 1e3
+        slack_s = q.deadline - now - self.config.reply_margin_ms / 1e3
         if slack_s - wait_s < need_s:
             sched.record_shed()
             raise ResourceExhausted(

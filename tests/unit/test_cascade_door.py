@@ -222,6 +222,8 @@ def test_a_queued_call_needs_slack_for_a_whole_undegraded_call_not_the_measured_
         with pytest.raises(ResourceExhausted) as shed:
             await ask(c, slack)
         assert "undegraded call needs" in shed.value.message and c.door.scheduler.shed == 1
+        with pytest.raises(DeadlineExceeded):  # a deadline already past is that, not a shed, even at a busy door
+            await ask(c, -0.001)
         queued = asyncio.ensure_future(ask(c, need * 3))  # enough for the wait and a whole call: queued
         await asyncio.sleep(0)
         assert c.door.scheduler.queued_count == 1

@@ -7,7 +7,6 @@ shards serves the whole module; tests that change it (fault, kill, upsert) undo 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -24,9 +23,10 @@ from recserve.config.spec import ClusterConfig, LookupConfig, ShardServerConfig
 from recserve.lookup.client import LookupClient
 from recserve.lookup.config import LookupClientConfig
 from recserve.lookup.types import LookupResult
-from recserve.sharding.plan import ShardingPlan, Tier
+from recserve.sharding.plan import Tier
 from recserve.v1 import embedding_pb2, embedding_pb2_grpc
 from tests.unit.test_lookup_client import item_kjt, lost_count, lost_mask
+from tests.integration.lookup_world import Env, lookup_env
 from tests.unit.test_lookup_fakes import FEATURES, TABLES, make_config, make_plan, make_weights, tier_ids
 from tests.unit.test_lookup_oracle import ebc_pooled, make_ebc, random_kjt
 
@@ -34,24 +34,10 @@ pytestmark = pytest.mark.integration
 T = TypeVar("T")
 
 
-@dataclasses.dataclass
-class Env:
-    cluster: ShardCluster
-    plan: ShardingPlan
-    freq: dict[str, np.ndarray]
-    weights: dict[str, np.ndarray]
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    root: Path = tmp_path_factory.mktemp("lookup")
-    plan, freq = make_plan()
-    plan.save(root / "plan.json")
-    weights = make_weights()
-    np.savez(root / "weights.npz", **weights)  # type: ignore[arg-type]
-    server = ShardServerConfig(threads=1, row_cache_bytes=1 << 20)
-    with ShardCluster(root / "plan.json", root / "data", load_from=root / "weights.npz", fault_hook=True, server=server, insecure_admin=True) as cluster:
-        yield Env(cluster, plan, freq, weights)
+    with lookup_env(tmp_path_factory.mktemp("lookup")) as world:
+        yield world
 
 
 # A small per-RPC id limit, so ordinary windows exceed it (the default is 262,144).

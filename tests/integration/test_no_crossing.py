@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import numpy as np
@@ -39,19 +38,19 @@ from generation.types import GenerationRequest
 from recserve.client import GenerationClient
 from recserve.cluster.rankers import RankerCluster
 from recserve.cluster.shards import ShardCluster
-from recserve.config.spec import LookupConfig, ShardServerConfig
+from recserve.config.spec import LookupConfig
 from recserve.lookup.client import LookupClient
 from recserve.lookup.types import LookupResult
 from recserve.routing import RoutingConfig
 from recserve.rpc.deadline import make_header
-from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import ranking_pb2
 from recserve.v1.ranking_pb2_grpc import RankingStub
 from tests.integration.ranker_world import RankerWorld, make_ranker_world
 from tests.integration.test_ranking_service import in_process, rank_request, scores_by_item
 from generation.service import load_model
 from tests.integration.test_generation_prefix import SYSTEM, TINY, two_replicas
-from tests.unit.test_lookup_fakes import FEATURES, TABLES, make_config, make_plan, make_weights
+from tests.integration.lookup_world import Env, lookup_env
+from tests.unit.test_lookup_fakes import FEATURES, TABLES, make_config
 from tests.unit.test_lookup_oracle import ebc_pooled, make_ebc, random_kjt
 from tests.unit.test_no_crossing import mismatches
 
@@ -62,25 +61,11 @@ SLOW, DEAD = 0, 2  # the delayed shard, the killed one
 CANCEL_P = 0.3  # the share of callers cancelled at a random moment
 
 
-@dataclasses.dataclass
-class Env:
-    cluster: ShardCluster
-    plan: ShardingPlan
-    freq: dict[str, np.ndarray]
-    weights: dict[str, np.ndarray]
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     """Three shards of its own: the test kills one and does not bring it back."""
-    root: Path = tmp_path_factory.mktemp("no-crossing")
-    plan, freq = make_plan()
-    plan.save(root / "plan.json")
-    weights = make_weights()
-    np.savez(root / "weights.npz", **weights)  # type: ignore[arg-type]
-    server = ShardServerConfig(threads=1, row_cache_bytes=1 << 20)
-    with ShardCluster(root / "plan.json", root / "data", load_from=root / "weights.npz", fault_hook=True, server=server, insecure_admin=True) as cluster:
-        yield Env(cluster, plan, freq, weights)
+    with lookup_env(tmp_path_factory.mktemp("no-crossing")) as world:
+        yield world
 
 
 def checked_bags(kjt: KeyedJaggedTensor, result: LookupResult | None, want: dict[str, torch.Tensor]) -> tuple[np.ndarray | None, np.ndarray, int]:

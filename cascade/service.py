@@ -188,44 +188,21 @@ class CascadeCore:
                 self.door = self._new_door()
             self.door.start()  # (its driver runs in an empty context: ServingLoop.start)
             self._door_loop = loop
-        self._admit(q)
+        # The slack check's service time: a whole undegraded call (the stages' cost
+        # model, StagePlanner.full_service_s) plus the reply margin, when that is more
+        # than the door's measured call time. Under overload calls degrade, and
+        # degraded calls are short, so the measured time alone kept admitting calls into
+        # degradation (3x burst on a 42/s knee: goodput 0.07 of the knee; 0.93 with it).
+        need_s = self.planner.full_service_s(stage_sizes_for(self.config, self.view.num_items, q.k)) + self.config.reply_margin_ms / 1e3
         call = _DoorCall(q, trace, contextvars.copy_context())
         try:
             result: Recommendation = await self.door.submit(call, deadline=q.deadline, tenant=q.tenant, priority=q.priority,
-                                                            request_id=q.request_id or None)  # fmt: skip
+                                                            request_id=q.request_id or None, min_service_s=need_s)  # fmt: skip
         except asyncio.CancelledError:
             if call.task is not None:  # running: its ranker calls are cancelled with it
                 call.task.cancel()
             raise
         return result
-
-    def _admit(self, q: RecommendQuery) -> None:
-        """The door's own slack check, before the scheduler's: a call that would wait
-        is shed unless its slack after the wait still covers a whole undegraded call
-        (``StagePlanner.full_service_s``). The scheduler's check alone compares with
-        the calls' *measured* time, and under overload those are degraded calls, short
-        because they skipped stages: it kept admitting calls into degradation (3x
-        burst on a 42/s knee: goodput 0.07 of the knee). A call that would start at
-        once is never shed (it answers degraded if it must); neither is one before the
-        door has measured shed_after_batches calls."""
-        sched = self.door.scheduler
-        if not self.config.shed_by_slack or sched.service.count < sched.admission.config.shed_after_batches:
-            return
-        wait_s, _ = sched.estimated_wait_s()
-        if wait_s <= 0.0:
-            return
-        now = self.clock()
-        if q.deadline <= now:  # already past: the scheduler answers DEADLINE_EXCEEDED, not a shed
-            return
-        need_s = self.planner.full_service_s(stage_sizes_for(self.config, self.view.num_items, q.k))
-        slack_s = q.deadline - now - self.config.reply_margin_ms / 1e3
-        if slack_s - wait_s < need_s:
-            sched.record_shed()
-            raise ResourceExhausted(
-                f"request {q.request_id or q.user_id} has {slack_s * 1e3:.1f} ms of slack; after the estimated wait "
-                f"{wait_s * 1e3:.1f} ms ({sched.queued_count:,} calls queued) an undegraded call needs {need_s * 1e3:.1f} ms: shed",
-                retry_after_s=wait_s,
-            )
 
     async def _run_door(self, batch: Batch) -> list[Done | Failed]:
         """The door's runner: one call per batch (max_batch_cost 1), run as its own task

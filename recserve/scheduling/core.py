@@ -493,12 +493,6 @@ class Scheduler:
         wait_s = mean_s * max(0.0, batches_ahead - (self.parallelism - 1)) / self.parallelism
         return wait_s, max(mean_s, service.estimate_s(mean_cost))
 
-    def record_shed(self) -> None:
-        """Count a request its owner shed before ``add`` by a check of its own (the
-        cascade's door: its calls' undegraded cost), beside the ones this core sheds."""
-        self.shed += 1
-        self.metrics.drops[DropReason.REJECTED] += 1
-
     def _shed_check(self, item: WorkItem, now: float) -> None:
         """Shed ``item`` (ResourceExhausted) if its slack is below the estimated queue
         wait + service time: it could only be run into its deadline (admission.py)."""
@@ -510,7 +504,7 @@ class Scheduler:
             # short by nature (a tight cascade deadline) then answers degraded instead.
             return
         try:
-            self.admission.shed(item.request_id, item.deadline - now, wait_s, max(service_s, self.service.estimate_s(item.cost)), self._queue.count)
+            self.admission.shed(item.request_id, item.deadline - now, wait_s, max(service_s, self.service.estimate_s(item.cost), item.min_service_s), self._queue.count)
         except RecserveError:
             self.shed += 1
             raise

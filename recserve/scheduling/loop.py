@@ -236,9 +236,11 @@ class ServingLoop:
         tenant: str = "default",
         priority: Priority | str = Priority.STANDARD,
         request_id: str | None = None,
+        min_service_s: float = 0.0,
     ) -> Any:
-        """Queue one item and await its final output (see :meth:`submit_nowait`)."""
-        return await self._submit(payload, cost, deadline, tenant, priority, request_id, None)
+        """Queue one item and await its final output (see :meth:`submit_nowait`;
+        ``min_service_s``: :class:`~recserve.scheduling.types.WorkItem`'s)."""
+        return await self._submit(payload, cost, deadline, tenant, priority, request_id, None, min_service_s)
 
     def submit_stream(
         self,
@@ -258,7 +260,7 @@ class ServingLoop:
 
     def _submit(
         self, payload: Any, cost: float, deadline: float, tenant: str, priority: Priority | str,
-        request_id: str | None, partials: asyncio.Queue[Any] | None,
+        request_id: str | None, partials: asyncio.Queue[Any] | None, min_service_s: float = 0.0,
     ) -> asyncio.Future[Any]:
         if self._loop is None:
             raise FailedPrecondition(f"serving loop {self.name!r} is not started; call start() first")
@@ -271,6 +273,7 @@ class ServingLoop:
             deadline,
             cost,
             payload,
+            min_service_s,
         )
         future = _ItemFuture(self._loop, self, partials)
         future.handle = self.scheduler.add(item, self._clock(), future)

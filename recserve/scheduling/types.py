@@ -85,7 +85,10 @@ class WorkItem:
 
     ``deadline`` is monotonic seconds (``math.inf`` for none). ``cost`` is policy-defined:
     candidates for a ranker batch, ids for a lookup window, tokens for decode. ``payload``
-    is opaque to the scheduler and reaches the runner untouched.
+    is opaque to the scheduler and reaches the runner untouched. ``min_service_s`` is the
+    least service time the caller knows the item needs to be worth running; the slack
+    check at admission uses it when it exceeds the measured estimate (the cascade: an
+    undegraded call's cost, which degraded calls' short measured times understate).
     """
 
     request_id: str
@@ -94,6 +97,7 @@ class WorkItem:
     deadline: float
     cost: float
     payload: Any = None
+    min_service_s: float = 0.0
 
 
 class ItemListener(Protocol):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import dataclasses
+import re
 import time
 from typing import Any
 
@@ -221,7 +222,9 @@ def test_a_queued_call_needs_slack_for_a_whole_undegraded_call_not_the_measured_
         assert 0 < wait_s + service_s < slack
         with pytest.raises(ResourceExhausted) as shed:
             await ask(c, slack)
-        assert "undegraded call needs" in shed.value.message and c.door.scheduler.shed == 1
+        # The check's service time was the undegraded call's (the running call's L0/L1 moved the fit a little since).
+        service_ms = float(re.search(r"service ([0-9.]+) ms", shed.value.message).group(1))  # type: ignore[union-attr]
+        assert service_ms == pytest.approx((need + c.config.reply_margin_ms / 1e3) * 1e3, rel=0.01) and c.door.scheduler.shed == 1
         with pytest.raises(DeadlineExceeded):  # a deadline already past is that, not a shed, even at a busy door
             await ask(c, -0.001)
         queued = asyncio.ensure_future(ask(c, need * 3))  # enough for the wait and a whole call: queued

@@ -196,3 +196,17 @@ def test_a_cold_scheduler_does_not_shed_on_its_first_batches() -> None:
     with pytest.raises(ResourceExhausted):
         sched.add(item("tight2", deadline=now + 0.05), now)
     assert sched.shed == 1
+
+
+def test_an_items_own_minimum_service_time_counts_when_above_the_estimate() -> None:
+    """``WorkItem.min_service_s``: what the caller knows an item needs (the cascade: an
+    undegraded call) when the measured estimate says less."""
+    sched = one_at_a_time()
+    now = warm(sched)
+    sched.add(item("ahead", deadline=now + 10.0), now)  # one ahead: 10 ms wait + 10 ms service
+    sched.add(item("fits", deadline=now + 0.05), now)  # 50 ms > 20 ms: admitted
+    needy = WorkItem("needy", "t", Priority.STANDARD, now + 0.05, 1.0, payload="needy", min_service_s=0.045)
+    with pytest.raises(ResourceExhausted):  # 20 ms wait + its own 45 ms > 50 ms
+        sched.add(needy, now)
+    assert sched.shed == 1 and sched.queued_count == 2
+

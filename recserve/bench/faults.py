@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
 import contextlib
 import json
 import os
@@ -35,14 +34,16 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from recserve.bench.faults_report import OK_STATUS, Records, fault_figures, format_table, timeline, total_figures
+from recserve.bench.faults_report import Records, fault_figures, format_table, timeline, total_figures
 from recserve.loadtest.requests import RequestPool
 from recserve.logs import secrets_in
-from recserve.loadtest.targets import GrpcRecommendTarget, _remaining, status_name
+
+if TYPE_CHECKING:
+    from recserve.bench.faults_target import RecordingTarget
 
 FAULTS = ("shard_kill", "shard_slow", "ranker_kill", "burst", "upserts", "disk_full")
 TENANT, TENANT_KEY_ENV = "feed", "RECSERVE_FAULTS_FEED_KEY"
@@ -97,52 +98,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _log(msg: str) -> None:
     print(f"[bench faults] {msg}", file=sys.stderr, flush=True)
-
-
-class RecordingTarget(GrpcRecommendTarget):
-    """``Recommend`` over gRPC that also keeps one record per request (scheduled time =
-    deadline - timeout, finish time, status, degraded, coverage) while ``recording``."""
-
-    def __init__(self, addresses: list[str], pool: RequestPool, *, timeout_s: float, tenant: str = "default", api_key: str = "") -> None:
-        super().__init__(addresses, pool)
-        self.timeout_s = timeout_s
-        self.tenant = tenant
-        self.metadata = (("x-api-key", api_key),) if api_key else ()
-        self.reasons: collections.Counter[str] = collections.Counter()  # degraded answers by reason, while recording
-        self.recording = False
-        self.cols: tuple[list[float], list[float], list[str], list[bool], list[float]] = ([], [], [], [], [])
-
-    def take(self) -> Records:
-        """The records so far (and start a fresh set)."""
-        rec = Records.from_lists(*self.cols)
-        self.cols = ([], [], [], [], [])
-        self.reasons = collections.Counter()
-        return rec
-
-    async def call(self, i: int, deadline_s: float) -> bool:
-        from recserve.rpc.deadline import make_header
-        from recserve.v1 import recommender_pb2
-
-        sched = deadline_s - self.timeout_s
-        e = self.pool.entry(i)
-        request = recommender_pb2.RecommendRequest(header=make_header(timeout_s=_remaining(deadline_s), tenant=self.tenant), user_id=int(self.pool.user_ids[e]), k=self.k)
-        try:
-            reply = await self._channels.pick().Recommend(request, timeout=_remaining(deadline_s), metadata=self.metadata)
-        except asyncio.CancelledError:  # the driver gave up on it after the drain: still one request, counted
-            self._record(sched, "CANCELLED", False, float("nan"))
-            raise
-        except Exception as exc:
-            self._record(sched, status_name(exc), False, float("nan"))
-            raise
-        self._record(sched, OK_STATUS, bool(reply.degraded), float(reply.coverage))
-        if reply.degraded and self.recording:
-            self.reasons[reply.degraded_reason or "?"] += 1
-        return bool(reply.degraded)
-
-    def _record(self, sched: float, status: str, degraded: bool, coverage: float) -> None:
-        if self.recording:
-            for col, v in zip(self.cols, (sched, time.monotonic(), status, degraded, coverage)):
-                col.append(v)  # type: ignore[attr-defined]
 
 
 def _spec_text(models: Path) -> str:
@@ -315,6 +270,8 @@ def _fault_disk_full(stack: Any, seed: int, details: dict[str, Any]) -> None:
             _upsert(address, table, ids[lo : lo + 5], rows[lo : lo + 5])
         except Exception as exc:  # grpc.RpcError: the loud failure the fault must produce
             refused += 1
+            from recserve.loadtest.targets import status_name
+
             codes.add(status_name(exc))
     found, got = _read(address, table, ids)
     details["disk_full"] = {"upserts_tried": (ids.size + 4) // 5, "upserts_refused": refused, "refused_with": sorted(codes), "reads_found": int(found.astype(bool).sum()), "reads_tried": int(ids.size),
@@ -382,6 +339,8 @@ async def _one_fault(name: str, stack: Any, target: RecordingTarget, args: argpa
 async def _suite(stack: Any, pool: RequestPool, args: argparse.Namespace, names: list[str]) -> dict[str, Any]:
     from recserve.bench.knee import find_knee_async
     from recserve.loadtest.driver import run_open_loop
+
+    from recserve.bench.faults_target import RecordingTarget  # loads grpc: not at parser build (bench lookup sets gRPC's I/O path first)
 
     target = RecordingTarget([stack.cascade.address], pool, timeout_s=args.timeout_ms / 1e3, tenant=TENANT, api_key=os.environ[TENANT_KEY_ENV])
     await target.start()

@@ -158,9 +158,16 @@ class LatencyTracker:
         traffic again, which re-measures it (a slow shard that gets no work would
         otherwise never be seen to recover)."""
         ejected = self._ejected_until > now
-        known = ~np.isnan(self._ewma)
-        if known.sum() < 2:
+        # A handful of destinations, read every window: plain floats beat np.median's
+        # and nan_to_num's call overhead (≈ 25 µs a window) by an order of magnitude.
+        ewma = self._ewma.tolist()
+        known = sorted(e for e in ewma if e == e)  # NaN: not measured yet
+        n = len(known)
+        if n < 2:
             return ejected
-        median = float(np.median(self._ewma[known]))
+        median = known[n // 2] if n % 2 else 0.5 * (known[n // 2 - 1] + known[n // 2])
         bar = max(self.slow_factor * median, self.min_delay_s)
-        return ejected | (known & (self._last >= now - self.slow_ttl_s) & (np.nan_to_num(self._ewma, nan=0.0) > bar))
+        fresh = now - self.slow_ttl_s
+        last = self._last.tolist()
+        over = [e == e and e > bar and t >= fresh for e, t in zip(ewma, last)]
+        return ejected | np.array(over, dtype=bool)

@@ -87,7 +87,10 @@ class WindowRun:
         self.windows: dict[str, TableWindow] = {}
         self.asm: dict[str, TableAssembly] = {}
         self.inflight: dict[str, np.ndarray] = {}  # table -> int16 [U] outstanding calls per row
-        self.row_deadline: dict[str, np.ndarray] = {}  # table -> float [U] latest caller deadline
+        # Every RPC carries the window's latest caller deadline: a row's own latest
+        # deadline would be tighter for some RPCs, but once every caller is resolved the
+        # window cancels what is still in flight, so the looser bound costs no work.
+        self.latest_deadline = float(self.deadlines.max()) if len(self.callers) else math.inf
         # The near cache this window's slots index: a plan refresh swaps in a new cache
         # with other slots, so replies must fill the one the slots were taken from.
         self.near_cache = rt.near_cache
@@ -109,10 +112,6 @@ class WindowRun:
             asm = TableAssembly(w, self.dims[table], np.ones(w.unique, np.int16), partial=self.partial)
             self.asm[table] = asm
             self.inflight[table] = np.zeros(w.unique, dtype=np.int16)
-            occ_deadline = np.repeat(self.deadlines, np.diff(w.id_offsets))
-            latest = np.full(w.unique, -math.inf)
-            np.maximum.at(latest, w.inverse, occ_deadline)
-            self.row_deadline[table] = latest
             positions = np.arange(w.unique, dtype=np.int64)
             if self.near_cache is not None and not self.partial:
                 occurrences = np.bincount(w.inverse, minlength=w.unique)  # caller lookups per unique id
@@ -164,7 +163,7 @@ class WindowRun:
     def _send(self, shard: int, units: list[FetchUnit], *, is_hedge: bool) -> None:
         rt = self.rt
         now = rt.clock()
-        deadline = max(float(self.row_deadline[u.table][u.positions].max()) for u in units)
+        deadline = self.latest_deadline
         timeout = rt.config.rpc_timeout_ms / 1000.0 if math.isinf(deadline) else max(deadline - now, 1e-3)
         t0 = time.perf_counter()
         request = build_request(

@@ -193,6 +193,7 @@ def route_window(
     so repeated small windows do not always start on the same replica.
     """
     num_shards = state.live.shape[0]
+    all_live = bool(state.live.all())
     units: list[FetchUnit] = []
     unroutable: dict[str, np.ndarray] = {}
     planned = np.zeros(num_shards, dtype=np.int64)  # ids this window sends to each shard
@@ -202,7 +203,8 @@ def route_window(
     # window contacts anyway.
     for table, uids in unique_ids.items():
         pos_all = fetch_positions[table]
-        routes = routers[table].route(uids[pos_all]) if pos_all.size else None
+        # Window ids are unique ids of validated callers: no second range check.
+        routes = routers[table].route(uids[pos_all], validated=True) if pos_all.size else None
         lost: list[np.ndarray] = []
         if routes is None:
             unroutable[table] = _NONE
@@ -223,14 +225,18 @@ def route_window(
         if routes.warm_index.size:
             pos = pos_all[routes.warm_index]
             shards = routes.warm_shards
-            ok = np.take(state.live, shards).all(axis=1)
-            lost.append(pos[~ok])
+            if all_live:  # every slice's shard is up (the common case): nothing is lost
+                ok_pos, ok_shards = pos, shards
+            else:
+                ok = np.take(state.live, shards).all(axis=1)
+                lost.append(pos[~ok])
+                ok_pos, ok_shards = pos[ok], shards[ok]
             plan = plans[table]
             bounds = plan.col_bounds() if plan.column_splits > 1 else [(0, 0)]
-            no_alt = np.zeros((int(ok.sum()), 0), dtype=np.int32)
+            no_alt = np.zeros((ok_pos.shape[0], 0), dtype=np.int32)
             for k, col in enumerate(bounds):
-                units += _group(shards[ok, k], pos[ok], no_alt, table, col)
-                planned += np.bincount(shards[ok, k], minlength=num_shards)
+                units += _group(ok_shards[:, k], ok_pos, no_alt, table, col)
+                planned += np.bincount(ok_shards[:, k], minlength=num_shards)
         if routes.hot_index.size:
             hot_work.append((table, pos_all[routes.hot_index], routes.hot_shards))
         unroutable[table] = np.concatenate(lost) if lost else _NONE

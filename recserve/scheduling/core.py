@@ -83,6 +83,10 @@ class Scheduler:
         # Hooks the policy leaves as the base no-op are skipped on the per-item path.
         self._on_add = policy.on_add if _overrides(policy, "on_add") else None
         self._on_finish = policy.on_finish if _overrides(policy, "on_finish") else None
+        # A window policy's batch-cost cap (it may move, e.g. an SLO controller's): the
+        # wait estimate counts the queue in full batches of it (estimated_wait_s).
+        cap = getattr(policy, "cap", None)
+        self._batch_cap: Callable[[], float] | None = cap if callable(cap) else None
 
     # ------------------------------------------------------------------ calls
     def add(self, item: WorkItem, now: float, listener: ItemListener | None = None) -> Handle:
@@ -488,7 +492,16 @@ class Scheduler:
         sizes, costs = m.batch_size, m.batch_cost
         mean_size = sizes.total / sizes.count if sizes.count else 1.0
         mean_cost = costs.total / costs.count if costs.count else 0.0
-        batches_ahead = self._queue.count / max(1.0, mean_size) + len(self._inflight)  # running ones hold the slots
+        queued = self._queue.count / max(1.0, mean_size)
+        cap = self._batch_cap
+        if cap is not None:
+            # A window policy puts everything queued into its next batch, up to its cap:
+            # the queue is at most cost / cap batches, fewer than count / mean size when
+            # more is waiting than a usual batch holds (at light load batches are small
+            # because little waits, so the mean size alone would shed callers that all
+            # fit the next window).
+            queued = min(queued, self._queue.cost / max(cap(), 1e-9))
+        batches_ahead = queued + len(self._inflight)  # running ones hold the slots
         # Its batch starts once all but parallelism - 1 of those ahead have finished.
         wait_s = mean_s * max(0.0, batches_ahead - (self.parallelism - 1)) / self.parallelism
         return wait_s, max(mean_s, service.estimate_s(mean_cost))

@@ -210,3 +210,22 @@ def test_an_items_own_minimum_service_time_counts_when_above_the_estimate() -> N
         sched.add(needy, now)
     assert sched.shed == 1 and sched.queued_count == 2
 
+
+
+def test_a_window_policy_counts_the_queue_in_full_windows_not_in_past_batch_sizes() -> None:
+    """At light load windows are small (here one item each) because little was waiting;
+    ten callers queued behind one window in flight all join the next window (its cap is
+    100), so their wait is about one window, not ten (issue 9: the lookup client shed
+    callers at 1,500 req/s that the next window would have served in time)."""
+    sched = Scheduler(FeatureParallelPolicy(FeatureParallelConfig(window_ms=0.0, max_cost=100.0, dispatch_margin_ms=0.0)), AdmissionConfig())
+    now = warm(sched)  # mean batch size 1
+    sched.add(item("running", deadline=now + 10.0), now)
+    assert sched.schedule(now) is not None  # one window in flight
+    for i in range(10):
+        sched.add(item(f"q{i}", deadline=now + 10.0), now)
+    wait_s, service_s = sched.estimated_wait_s()
+    assert wait_s == pytest.approx(SERVICE_S * (1 + 10 / 100))  # the window in flight, plus a tenth of a window
+    sched.add(item("tight", deadline=now + 0.03), now)  # 30 ms of slack > 11 + 10 ms: admitted
+    assert sched.queued_count == 11 and sched.shed == 0
+    with pytest.raises(ResourceExhausted):
+        sched.add(item("tighter", deadline=now + 0.015), now)  # 15 ms < 11 + 10 ms: still shed

@@ -168,3 +168,29 @@ def test_encoding_rows_of_the_wrong_width_is_an_internal_recserve_error() -> Non
 
     with pytest.raises(InternalError, match=r"rows shape \(2, 3\) does not match slice 0..4 \(width 4\)"):
         encode_values(np.zeros((2, 3), dtype=np.float32), dim=4, col_start=0, col_end=4)
+
+
+def test_a_big_multi_get_split_over_read_threads_answers_as_one_serial_get(tmp_path: Path) -> None:
+    """RowStore.get_rows splits a big multi-get over its read threads (cold reads wait on
+    the disk one after another otherwise; issue 9's tiered run): same rows, same order,
+    same absent ids as the serial read, for ids in any order."""
+    rng = np.random.default_rng(3)
+    stored = rng.choice(5000, 1500, replace=False)
+    rows = rng.standard_normal((stored.size, DIM)).astype(np.float32)
+    serial = RowStore(tmp_path / "serial", {"item": DIM}, read_threads=1)
+    parallel = RowStore(tmp_path / "parallel", {"item": DIM}, read_threads=8)
+    try:
+        for store in (serial, parallel):
+            store.write_rows([("item", stored, rows, 0, DIM)])
+        asked = rng.permutation(np.concatenate([rng.choice(stored, 700, replace=False), rng.choice(np.setdiff1d(np.arange(5000), stored), 300)]))
+        want_rows, want_present = serial.get_rows("item", asked, 0, DIM)
+        got_rows, got_present = parallel.get_rows("item", asked, 0, DIM)
+        assert parallel._read_parts == 8 and asked.size >= 8 * 32  # the split path ran
+        assert want_present.sum() == 700 and np.array_equal(got_present, want_present)
+        assert np.array_equal(got_rows, want_rows)
+        order = np.argsort(stored)
+        at = np.searchsorted(stored[order], asked[got_present])
+        assert np.array_equal(got_rows[got_present], rows[order][at])  # each id its own row
+    finally:
+        serial.close()
+        parallel.close()

@@ -73,6 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-knees", action="store_true", help="skip the knee searches (knee fields null)")
     p.add_argument("--knee-seconds", type=float, default=1.5, help="seconds of each knee probe (default 1.5)")
     p.add_argument("--knee-slo-ms", type=float, default=20.0, help="a request is OK if answered, not degraded, within this (default 20 ms)")
+    p.add_argument("--fail-retries", type=int, default=1,
+                   help="knee search: re-probe a failed rate this many times; it fails only if every try fails (default 1, as bench rank: one stall of the shared box must not set a knee)")
     p.add_argument("--unloaded-rate", type=float, default=25.0, help="open-loop rate of the unloaded-latency run (default 25 req/s)")
     p.add_argument("--unloaded-seconds", type=float, default=4.0, help="seconds of the unloaded-latency run (default 4)")
     p.add_argument("--capacity-plot", default=None, metavar="PATH", help="write a PNG of p99 vs offered rate (the knee probes) for every contender")
@@ -226,7 +228,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "seconds_per_mode": args.seconds, "row_cache_bytes_per_shard": row_cache_bytes, "window_ms": lookup_cfg.window_ms,
         "max_window_ms": lookup_cfg.max_window_ms, "close_at_dispatch": lookup_cfg.close_at_dispatch,
         "grpc_experiments": lookup_cfg.grpc_experiments, "hot_rows": int(t.hot_ids.size), "warm_rows": int(t.warm_ids.size),
-        "cold_rows": t.num_cold, "column_splits": t.column_splits, "knee_seconds": args.knee_seconds, "knee_slo_ms": args.knee_slo_ms,
+        "cold_rows": t.num_cold, "column_splits": t.column_splits, "knee_seconds": args.knee_seconds, "knee_slo_ms": args.knee_slo_ms, "knee_fail_retries": args.fail_retries,
         "tiered_fraction": args.tiered_fraction, "unix_sockets": not args.tcp,
     }  # fmt: skip
     if args.sweep_rates is not None:
@@ -442,7 +444,7 @@ async def _knees(args: argparse.Namespace, client: Any, kjt_of: Any, naive: Any,
         hi = max(4.0 * 25.0, 1.5 * closed_req_per_s.get(name, 0.0))
         _log(f"knee of {name} (bisection in [{25:g}, {hi:,.0f}] req/s, {args.knee_seconds:g} s probes)")
         gc.collect()
-        out[name] = await cap.knee_of(handle, lo_rps=25.0, hi_rps=hi, seconds=args.knee_seconds, total=total, slo_s=slo_s, seed=args.seed + 100 * (j + 1))
+        out[name] = await cap.knee_of(handle, lo_rps=25.0, hi_rps=hi, seconds=args.knee_seconds, total=total, slo_s=slo_s, seed=args.seed + 100 * (j + 1), fail_retries=args.fail_retries)
     return out
 
 

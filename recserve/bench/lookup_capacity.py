@@ -153,6 +153,7 @@ async def probe(rate_per_s: float, seconds: float, total: int, handle: Handler, 
 
 async def knee_of(
     handle: Handler, *, lo_rps: float, hi_rps: float, seconds: float, total: int, slo_s: float, seed: int, settle_s: float = 0.5,
+    fail_retries: int = 0,
 ) -> dict[str, Any]:
     """The knee of one contender (:func:`~recserve.bench.knee.find_knee_async`), with
     every probe's p99 (``curve``: [(rate, p99_ms)] in probe order); each probe after the
@@ -173,7 +174,7 @@ async def knee_of(
         curve.append((rate, p99))
         return result
 
-    found = await find_knee_async(run, lo_rps=lo_rps, hi_rps=hi_rps)
+    found = await find_knee_async(run, lo_rps=lo_rps, hi_rps=hi_rps, fail_retries=fail_retries)
     out = found.to_dict()
     out["curve"] = curve
     return out

@@ -31,7 +31,7 @@ from embedding_server.layout import TableLayout
 from embedding_server.pooling import check_bags, pool_partial
 from embedding_server.quant import RowDType, from_wire
 from embedding_server.store import RowStore
-from embedding_server.table import TableTiers
+from embedding_server.table import TIERS, TableTiers
 from recserve.config.spec import ShardServerConfig
 from recserve.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from recserve.rpc.tensors import pack_into, unpack
@@ -155,31 +155,38 @@ class ShardCore:
         out = from_wire(request.row_dtype)
         if request.pooled and out is not RowDType.FLOAT32:
             raise InvalidArgument("pooled lookups return fp32 partial sums; leave row_dtype FLOAT32 (or unset)")
+        pooled = request.pooled
         decoded = []
-        # (table, resolved columns) -> (entry indices, their ids): the duplicate check's groups
-        slices: dict[tuple[str, tuple[int, int]], tuple[list[int], list[np.ndarray]]] = {}
+        # (table, resolved columns) -> (entry indices, their ids, all strictly increasing):
+        # the duplicate check's groups
+        slices: dict[tuple[str, tuple[int, int]], tuple[list[int], list[np.ndarray], list[bool]]] = {}
         for i, tl in enumerate(request.tables):
-            table = self.table(tl.table)
-            ids = unpack(tl.ids, f"tables[{i}].ids ({tl.table})", expect_dtype=common_pb2.INT64, expect_ndim=1)
-            table.check_ids(ids, f"tables[{i}].ids")
+            name = tl.table
+            table = self.table(name)
+            ids = unpack(tl.ids, f"tables[{i}].ids ({name})", expect_dtype=common_pb2.INT64, expect_ndim=1)
+            increasing = table.check_ids(ids, f"tables[{i}].ids")
             cols = table.columns(tl.col_start, tl.col_end)
-            entries, id_arrays = slices.setdefault((tl.table, cols), ([], []))
+            entries, id_arrays, sorted_flags = slices.setdefault((name, cols), ([], [], []))
             entries.append(i)
             id_arrays.append(ids)
+            sorted_flags.append(increasing)
             bags = None
-            if request.pooled:
+            if pooled:
                 idx = unpack(tl.bag_indices, f"tables[{i}].bag_indices", expect_dtype=common_pb2.INT64, expect_ndim=1)
                 off = unpack(tl.bag_offsets, f"tables[{i}].bag_offsets", expect_dtype=common_pb2.INT64, expect_ndim=1)
-                check_bags(len(ids), idx, off, tl.table)
+                check_bags(len(ids), idx, off, name)
                 bags = (idx, off)
             decoded.append((table, ids, cols, bags))
-        for (name, cols), (entries, id_arrays) in slices.items():
-            check_unique_ids(name, cols, id_arrays, entries)
+        for (name, cols), (entries, id_arrays, sorted_flags) in slices.items():
+            # One strictly increasing entry holds no duplicate (check_ids found it so).
+            if len(entries) > 1 or not sorted_flags[0]:
+                check_unique_ids(name, cols, id_arrays, entries)
         if self.clock() > deadline:
             raise DeadlineExceeded(f"shard {self.shard_id}: lookup deadline passed before its gathers ran")
         response = embedding_pb2.LookupResponse(plan_version=self.plan_version)
-        served = {kind: 0 for kind in Tier}
+        served = dict.fromkeys(TIERS, 0)
         missing = not_owned = total = 0
+        wire = out.wire
         for table, ids, (cs, ce), bags in decoded:
             result = table.lookup(ids, cs, ce, out)
             reply = response.tables.add(table=table.name, col_start=cs, col_end=ce)
@@ -187,7 +194,7 @@ class ShardCore:
             pack_into(reply.found, result.found)
             pack_into(reply.not_owned, result.not_owned)
             if bags is None:
-                pack_into(reply.rows, result.rows, out.wire)
+                pack_into(reply.rows, result.rows, wire)
             else:
                 sums, counts = pool_partial(result.rows, result.not_owned == 0, bags[0], bags[1])
                 pack_into(reply.pooled, sums)

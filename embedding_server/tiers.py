@@ -88,9 +88,9 @@ class DramTier(StorageTier):
             self.found[start : start + len(chunk)] = present
 
     def gather(self, ids: np.ndarray, slots: np.ndarray, col_start: int, col_end: int, out: RowDType) -> tuple[np.ndarray, np.ndarray]:
-        rows = np.take(self.data, slots, axis=0)
+        rows = self.data.take(slots, axis=0)  # methods, not np.take: its wrapper costs ≈ 1 µs a call
         lo, hi = col_start - self.col_start, col_end - self.col_start
-        return _convert(rows, self.dtype, lo, hi, self.width, out), np.take(self.found, slots)
+        return _convert(rows, self.dtype, lo, hi, self.width, out), self.found.take(slots)
 
     def write(self, ids: np.ndarray, slots: np.ndarray, rows: np.ndarray) -> None:
         self.data[slots] = encode(rows, self.dtype)

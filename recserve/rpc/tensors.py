@@ -38,6 +38,9 @@ _ENUM_OF: dict[str, int] = {
     "uint8": common_pb2.UINT8,
     "bool": common_pb2.UINT8,
 }
+# The same, keyed by the dtype object: ``dtype.name`` is computed in Python by numpy
+# (≈ 3 µs a call), a dict hit on the dtype itself is not.
+_ENUM_OF_DTYPE: dict[np.dtype, int] = {np.dtype(name): enum for name, enum in _ENUM_OF.items()}
 
 
 def pack(array: np.ndarray, dtype: int | None = None) -> common_pb2.Tensor:
@@ -53,13 +56,18 @@ def pack_into(out: common_pb2.Tensor, array: np.ndarray, dtype: int | None = Non
     copied once, not into a Tensor and then again by ``CopyFrom`` (a 1,000-row reply is
     256 kB)."""
     if dtype is None:
-        try:
-            dtype = _ENUM_OF[array.dtype.name]
-        except KeyError as exc:
-            raise InvalidArgument(f"cannot pack dtype {array.dtype.name!r}; use one of {sorted(_ENUM_OF)}") from exc
+        found = _ENUM_OF_DTYPE.get(array.dtype)
+        if found is None:  # e.g. a big-endian float32: by name, cast below
+            found = _ENUM_OF.get(array.dtype.name)
+        if found is None:
+            raise InvalidArgument(f"cannot pack dtype {array.dtype.name!r}; use one of {sorted(_ENUM_OF)}")
+        dtype = found
     out.dtype = dtype  # type: ignore[assignment]
     out.shape[:] = array.shape
-    out.data = np.ascontiguousarray(array, dtype=_NP_OF[dtype]).tobytes()
+    wire = _NP_OF[dtype]
+    # tobytes writes C order whatever the array's strides: one copy, plus the cast's
+    # only where the dtype differs (bool masks, a few bytes per id).
+    out.data = (array if array.dtype == wire else array.astype(wire)).tobytes()
 
 
 def unpack(
@@ -74,18 +82,21 @@ def unpack(
     Raises InvalidArgument naming ``field`` when the dtype is unknown or unexpected,
     the shape is negative / of the wrong rank, or the byte length does not match.
     """
-    if tensor.dtype not in _NP_OF:
-        raise InvalidArgument(f"{field}: unknown dtype enum {tensor.dtype}; set dtype to one of FLOAT32, FLOAT16, INT8_ROWWISE, INT64, INT32, UINT8")
-    if expect_dtype is not None and tensor.dtype != expect_dtype:
+    # Every line here runs for each tensor of each RPC (ids, bags, masks): plain dict
+    # and tuple work, ≈ 1 µs, where per-element generators cost ≈ 4 µs.
+    dtype = tensor.dtype
+    np_dtype = _NP_OF.get(dtype)
+    if np_dtype is None:
+        raise InvalidArgument(f"{field}: unknown dtype enum {dtype}; set dtype to one of FLOAT32, FLOAT16, INT8_ROWWISE, INT64, INT32, UINT8")
+    if expect_dtype is not None and dtype != expect_dtype:
         want = common_pb2.DType.Name(expect_dtype)  # type: ignore[arg-type]
-        got = common_pb2.DType.Name(tensor.dtype)
+        got = common_pb2.DType.Name(dtype)
         raise InvalidArgument(f"{field}: dtype is {got}, expected {want}")
-    shape = tuple(int(s) for s in tensor.shape)
+    shape = tuple(tensor.shape)  # Python ints (int64 on the wire)
     if expect_ndim is not None and len(shape) != expect_ndim:
         raise InvalidArgument(f"{field}: shape {list(shape)} has rank {len(shape)}, expected rank {expect_ndim}")
-    if any(s < 0 for s in shape):
+    if shape and min(shape) < 0:
         raise InvalidArgument(f"{field}: shape {list(shape)} has a negative dimension")
-    np_dtype = _NP_OF[tensor.dtype]
     # Python ints: np.prod in int64 wraps for a hostile shape like [2**62, 4] to 0, which
     # would "match" empty data and then crash reshape instead of answering INVALID_ARGUMENT.
     count = math.prod(shape)
@@ -93,10 +104,11 @@ def unpack(
     if len(data) != count * np_dtype.itemsize:
         raise InvalidArgument(
             f"{field}: {len(data)} bytes do not match shape {list(shape)} of "
-            f"{common_pb2.DType.Name(tensor.dtype)} ({count * np_dtype.itemsize} bytes expected; "
+            f"{common_pb2.DType.Name(dtype)} ({count * np_dtype.itemsize} bytes expected; "
             f"byte length must be a multiple of {np_dtype.itemsize})"
         )
-    return np.frombuffer(data, dtype=np_dtype).reshape(shape)
+    flat = np.frombuffer(data, dtype=np_dtype)
+    return flat if len(shape) == 1 else flat.reshape(shape)
 
 
 def dequantize_int8(fused: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ CHILD = textwrap.dedent(
     from embedding_server import server
     from embedding_server.config import ShardProcessConfig
 
-    async def fake_serve(config, stop=None):
+    async def fake_serve(config, stop=None, **_):
         # C-level buffered output (a C/C++ library's printf) and a file handler off the root logger
         ctypes.CDLL(None).printf(b"c stdio tail\\n")
         handler = logging.FileHandler(sys.argv[1], delay=False)

@@ -38,7 +38,7 @@ def config() -> ShardProcessConfig:
 def test_a_clean_stop_exits_zero_right_after_serve_returns(monkeypatch: pytest.MonkeyPatch) -> None:
     events: list[str] = []
 
-    async def fake_serve(cfg: ShardProcessConfig, stop: Any = None) -> None:
+    async def fake_serve(cfg: ShardProcessConfig, stop: Any = None, **_: Any) -> None:  # on_ready=freeze_gc
         events.append(f"serve shard {cfg.shard_id} returned")
 
     monkeypatch.setattr(server, "serve", fake_serve)
@@ -63,7 +63,7 @@ def test_handlers_off_the_root_logger_are_flushed_before_the_exit(monkeypatch: p
     only the root logger's (a file handler on ``embedding_server`` would lose its tail)."""
     events: list[str] = []
 
-    async def fake_serve(cfg: ShardProcessConfig, stop: Any = None) -> None:
+    async def fake_serve(cfg: ShardProcessConfig, stop: Any = None, **_: Any) -> None:  # on_ready=freeze_gc
         events.append("serve returned")
 
     monkeypatch.setattr(server, "serve", fake_serve)
@@ -79,7 +79,7 @@ def test_handlers_off_the_root_logger_are_flushed_before_the_exit(monkeypatch: p
 
 
 def test_a_failed_serve_propagates_and_does_not_exit(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def fake_serve(cfg: ShardProcessConfig, stop: Any = None) -> None:
+    async def fake_serve(cfg: ShardProcessConfig, stop: Any = None, **_: Any) -> None:  # on_ready=freeze_gc
         raise Unavailable("cannot listen on 127.0.0.1:1")
 
     monkeypatch.setattr(server, "serve", fake_serve)

@@ -32,6 +32,7 @@ path and the core's budget is a few microseconds per item.
 from __future__ import annotations
 
 import dataclasses
+import math
 import enum
 from typing import Any, Protocol, Sequence, Union
 
@@ -133,6 +134,7 @@ class Handle:
     error: RecserveError | None = None  # the terminal error, if any
     steps: int = 0  # batches this item has been part of
     quota: Any = None  # admission's per-tenant record (released on the terminal transition)
+    answered_at: float = -math.inf  # monotonic s of an early answer (Scheduler.resolve), while its batch ran
 
     @property
     def request_id(self) -> str:

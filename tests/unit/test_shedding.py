@@ -229,3 +229,45 @@ def test_a_window_policy_counts_the_queue_in_full_windows_not_in_past_batch_size
     assert sched.queued_count == 11 and sched.shed == 0
     with pytest.raises(ResourceExhausted):
         sched.add(item("tighter", deadline=now + 0.015), now)  # 15 ms < 11 + 10 ms: still shed
+
+
+def test_the_estimate_follows_recent_batches_not_the_all_time_mean_cost() -> None:
+    """After a burst of big batches (an overload, a knee search's top probe) the batches
+    are small and fast again: the slack check must use what batches cost *now*. An
+    all-time mean batch cost stayed high for the rest of the process's life, and the
+    service fit evaluated there shed callers at a third of the knee (issue 9)."""
+    sched = Scheduler(FeatureParallelPolicy(FeatureParallelConfig(window_ms=0.0, max_cost=500.0, dispatch_margin_ms=0.0)), AdmissionConfig())
+    now = 0.0
+
+    def run(cost: float, took_s: float, n: int) -> None:
+        nonlocal now
+        for k in range(n):
+            sched.add(WorkItem(f"c{cost}-{k}", "t", Priority.STANDARD, now + 10.0, cost, payload=None), now)
+            batch = sched.schedule(now)
+            assert batch is not None
+            now += took_s
+            sched.complete(batch, [Done(None)], now)
+
+    run(500.0, 0.050, 50)  # the burst: 50 ms batches of 500
+    run(10.0, 0.005, 40)  # now: 5 ms batches of 10
+    _, service_s = sched.estimated_wait_s()
+    assert service_s < 0.008  # ≈ 5 ms (the fit keeps ~1.5 % of the burst's weight); the all-time mean cost gave ≈ 30 ms
+
+
+def test_the_service_estimate_is_when_items_get_their_answers_not_when_the_batch_ends() -> None:
+    """A lookup window answers each caller as its rows arrive (Scheduler.resolve); one
+    caller waiting for a late shard keeps the window open until its deadline. Callers
+    that would be answered in 5 ms must not be shed for the window's 20 ms (issue 9)."""
+    sched = Scheduler(FeatureParallelPolicy(FeatureParallelConfig(window_ms=0.0, max_cost=100.0, dispatch_margin_ms=0.0)), AdmissionConfig())
+    now = 0.0
+    for b in range(20):
+        handles = [sched.add(item(f"b{b}-{k}", deadline=now + 10.0), now) for k in range(10)]
+        batch = sched.schedule(now)
+        assert batch is not None and len(batch) == 10
+        for h in handles[:9]:
+            assert sched.resolve(h, Done(None), now + 0.005)  # nine answered after 5 ms
+        now += 0.020  # the tenth at the batch's end, 20 ms
+        sched.complete(batch, [Done(None)] * 10, now)
+    wait_s, service_s = sched.estimated_wait_s()
+    assert wait_s == 0.0 and service_s == pytest.approx(0.0065)  # (9 x 5 + 20) / 10 ms
+    assert sched.service.mean_s() == pytest.approx(0.020)  # the batch itself still holds its slot 20 ms

@@ -166,8 +166,9 @@ async def knee_of(
         if count:
             # Let the previous probe's work drain first: right after an overloaded probe
             # the shards still answer its abandoned RPCs, and a probe started then
-            # measures that backlog instead of its own rate (a 500 req/s probe after a
-            # 10,000 req/s one read 81 % OK, and 100 % after a pause).
+            # measures that backlog instead of its own rate (naive at 500 req/s right
+            # after 10,000: 61-82 % OK, and 90-92 % after a 1 s pause; the client's 517
+            # req/s probe after one at 10,687 read 81 %).
             await asyncio.sleep(settle_s)
         count += 1
         result, p99 = await probe(rate, seconds, total, handle, slo_s=slo_s, seed=seed + count)

@@ -36,6 +36,7 @@ from recserve.scheduling.types import (
     TERMINAL, Batch, Continue, Done, Failed, Handle, ItemListener, ItemStatus, Preempted, Priority, Resolution, WorkItem,
 )
 from recserve.scheduling.view import CoreView
+from recserve.scheduling.window import WindowPolicy
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,7 @@ class Scheduler:
         self._on_finish = policy.on_finish if _overrides(policy, "on_finish") else None
         # A window policy's batch-cost cap (it may move, e.g. an SLO controller's): the
         # wait estimate counts the queue in full batches of it (estimated_wait_s).
-        cap = getattr(policy, "cap", None)
-        self._batch_cap: Callable[[], float] | None = cap if callable(cap) else None
+        self._batch_cap: Callable[[], float] | None = policy.cap if isinstance(policy, WindowPolicy) else None
 
     # ------------------------------------------------------------------ calls
     def add(self, item: WorkItem, now: float, listener: ItemListener | None = None) -> Handle:
@@ -188,15 +188,7 @@ class Scheduler:
         service_s = now - started
         self.service.observe(batch.cost, service_s)
         self.metrics.service_s.record(service_s)
-        # When the batch's items got their answers, on average: the batch's end, less
-        # what early answers (resolve) saved. A lookup window whose last caller waits for
-        # a late shard until its deadline lasts 20 ms though most callers had theirs in 5.
-        early = 0.0
-        for handle in handles:
-            if handle.answered_at >= started:
-                early += now - handle.answered_at
-        item_s = service_s - early / max(len(handles), 1)
-        self._item_s = item_s if self.service.count == 1 else self._item_s + self.service.alpha * (item_s - self._item_s)
+        early = 0.0  # what early answers (resolve) saved, summed over the batch's items
         policy = self.policy
         on_finish = self._on_finish
         record_latency = self.metrics.latency_s.record
@@ -206,6 +198,8 @@ class Scheduler:
         try:
             for i, (handle, outcome) in enumerate(zip(handles, outcomes)):
                 if handle.status is not _RUNNING:  # cancelled or resolved while running: discard, release
+                    if handle.answered_at >= started:
+                        early += now - handle.answered_at
                     self._release(handle, now)
                     continue
                 kind = type(outcome)
@@ -248,6 +242,11 @@ class Scheduler:
             raise
         finally:
             self.metrics.completed += completed
+        # When the batch's items got their answers, on average: its end, less what early
+        # answers saved. A lookup window whose last caller waits for a late shard until
+        # its deadline lasts 20 ms though most callers had theirs in 5.
+        item_s = service_s - early / max(len(handles), 1)
+        self._item_s = item_s if self.service.count == 1 else self._item_s + self.service.alpha * (item_s - self._item_s)
         policy.on_batch_done(batch, service_s, now)
 
     def resolve(self, handle: Handle, outcome: Resolution, now: float) -> bool:

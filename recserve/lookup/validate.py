@@ -25,9 +25,7 @@ _SMALL = 32  # up to this many lengths, check them as a Python list
 
 def _as_int64(tensor: torch.Tensor, field: str) -> np.ndarray:
     """A 1-D int64 numpy view of an integer tensor (copied only when cast or moved)."""
-    dtype = getattr(tensor, "dtype", None)
-    # ``is`` first: hashing a torch dtype for the set costs more than the rest here.
-    if dtype is not torch.int64 and dtype not in _INT_DTYPES:
+    if getattr(tensor, "dtype", None) not in _INT_DTYPES:
         raise InvalidArgument(f"{field} has dtype {getattr(tensor, 'dtype', type(tensor).__name__)}; use an integer dtype (int64 or int32)")
     try:
         array = tensor.numpy()  # the common case: a CPU tensor without grad, zero-copy

@@ -36,6 +36,34 @@ def _as_int64(tensor: torch.Tensor, field: str) -> np.ndarray:
     return array if array.dtype == np.int64 else array.astype(np.int64)
 
 
+def _one_feature(
+    features: "KeyedJaggedTensor", keys: tuple[str, ...], table_of_feature: dict[str, str], table_rows: dict[str, int], pooled: bool, deadline: float
+) -> CallerLookup | None:
+    """The common caller, checked with the fewest calls: one feature, int64 CPU
+    tensors, no weights, one stride, at most ``_SMALL`` bags. None: anything else, or
+    anything wrong (:func:`validate_features`' general path then names the error)."""
+    table = table_of_feature.get(keys[0])
+    values_t, lengths_t = features.values(), features.lengths()
+    if table is None or values_t.dtype is not torch.int64 or lengths_t.dtype is not torch.int64 or lengths_t.dim() != 1 or values_t.dim() != 1:
+        return None
+    if lengths_t.shape[0] > _SMALL or features.weights_or_none() is not None or features.variable_stride_per_key():
+        return None
+    small = lengths_t.tolist()
+    n = values_t.shape[0]
+    if (small and min(small) < 0) or sum(small) != n:
+        return None
+    try:
+        values, lengths = values_t.numpy(), lengths_t.numpy()
+    except RuntimeError:  # on a device, or requires grad
+        return None
+    rows = table_rows[table]
+    # Viewed as unsigned, a negative id is huge: one max() checks both ends of [0, rows).
+    if n and int(values.view(np.uint64).max()) >= rows:
+        return None
+    part = TableInput(features=keys, ids=values, lengths=lengths, feature_counts=np.array((n,), dtype=np.int64))
+    return CallerLookup(keys=keys, batch_size=len(small), tables={table: part}, pooled=pooled, deadline=deadline, n_ids=n)
+
+
 def validate_features(
     features: "KeyedJaggedTensor",
     *,
@@ -55,6 +83,10 @@ def validate_features(
     and whose ``lengths`` are ``[len(user_hist[0]), len(user_hist[1]), len(item[0]), ...]``.
     """
     keys = tuple(features.keys())
+    if len(keys) == 1:
+        fast = _one_feature(features, keys, table_of_feature, table_rows, pooled, deadline)
+        if fast is not None:
+            return fast
     tables_of = [table_of_feature.get(k) for k in keys]
     if None in tables_of:
         unknown = [k for k in keys if k not in table_of_feature]

@@ -63,11 +63,12 @@ class TableWindow:
         return np.repeat(np.arange(self.bag_lengths.shape[0], dtype=np.int64), self.bag_lengths)
 
 
-# Dense dedup pays while one scan of a table-sized bitmap costs less than sorting the
-# window's ids: up to this many rows per id in the window, and tables up to this size
-# (the per-thread scratch is 5 bytes per row).
-DENSE_ROWS_PER_ID = 256
+# Dense dedup needs a per-thread scratch of 5 bytes per table row: tables up to this
+# size. A window with at least one id per this many rows is deduplicated through a
+# bitmap (one scan of it costs less than the alternative's sort), a smaller one without
+# touching the table-sized parts it does not need.
 DENSE_MAX_ROWS = 1 << 24
+DENSE_ROWS_PER_ID = 256
 
 
 class _Scratch(threading.local):
@@ -84,23 +85,34 @@ _SCRATCH = _Scratch()
 def dedup(ids: np.ndarray, rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(unique_ids int64 [U] sorted, inverse int64 [N]) of ``ids`` int64 [N] in ``[0, rows)``.
 
-    With ``rows`` known and small against N (a catalog table), it marks ids in a reused
-    bitmap and reads them back with one ``flatnonzero``: O(N + rows / 8) with no sort,
-    ≈4× faster than ``np.unique`` for a 4,096-id window over 200k rows. Otherwise (or
-    ``rows`` None) ``np.unique``. Both give identical results.
+    With ``rows`` known (a catalog table), through a reused per-thread scratch; else
+    (``rows`` None or huge) ``np.unique``. All give identical results.
+
+    - At least one id per ``DENSE_ROWS_PER_ID`` rows: mark ids in a bitmap and read them
+      back with one ``flatnonzero``, O(N + rows / 8) with no sort; ≈ 4× faster than
+      ``np.unique`` for a 4,096-id window over 200k rows.
+    - Fewer ids: write every occurrence's index into a per-row slot and keep the
+      occurrence whose index survived, one per id, then sort only the U unique ids
+      (no pass over the table); ≈ 1.5× faster than ``np.unique`` for 64 ids.
     """
     n = ids.shape[0]
-    if rows is None or n == 0 or rows > DENSE_MAX_ROWS or rows > DENSE_ROWS_PER_ID * n:
+    if rows is None or n == 0 or rows > DENSE_MAX_ROWS:
         unique_ids, inverse = np.unique(ids, return_inverse=True)
         return unique_ids.astype(np.int64, copy=False), inverse.reshape(-1).astype(np.int64, copy=False)
     scratch = _SCRATCH.by_rows.get(rows)
     if scratch is None:
         scratch = _SCRATCH.by_rows[rows] = (np.zeros(rows, dtype=bool), np.zeros(rows, dtype=np.int32))
     seen, slot = scratch
-    seen[ids] = True
-    unique_ids = np.flatnonzero(seen)
-    seen[unique_ids] = False  # clean for the next window: touch only what was set
-    slot[unique_ids] = np.arange(unique_ids.shape[0], dtype=np.int32)
+    if rows <= DENSE_ROWS_PER_ID * n:
+        seen[ids] = True
+        unique_ids = np.flatnonzero(seen)
+        seen[unique_ids] = False  # clean for the next window: touch only what was set
+        slot[unique_ids] = np.arange(unique_ids.shape[0], dtype=np.int32)
+    else:
+        order = np.arange(n, dtype=np.int32)
+        slot[ids] = order  # whichever occurrence of an id is written last, exactly one survives
+        unique_ids = np.sort(ids[np.take(slot, ids) == order])
+        slot[unique_ids] = order[: unique_ids.shape[0]]
     return unique_ids.astype(np.int64, copy=False), np.take(slot, ids).astype(np.int64)
 
 

@@ -18,7 +18,7 @@ from tests.unit.test_lookup_client import item_kjt
 from tests.unit.test_lookup_fakes import FakeShards, make_config, make_plan, make_weights
 
 
-@pytest.mark.parametrize("rows, n", [(200_000, 4_096), (1_000, 10), (50, 5_000), (10**9, 100), (1, 7)])
+@pytest.mark.parametrize("rows, n", [(200_000, 4_096), (200_000, 64), (100_000, 3), (1_000, 10), (50, 5_000), (10**9, 100), (1, 7)])
 def test_dedup_matches_np_unique_on_either_path(rows: int, n: int) -> None:
     rng = np.random.default_rng(rows + n)
     ids = (rng.zipf(1.2, n) % rows).astype(np.int64)
@@ -28,6 +28,10 @@ def test_dedup_matches_np_unique_on_either_path(rows: int, n: int) -> None:
         assert u.dtype == np.int64 and inv.dtype == np.int64
         assert np.array_equal(u, want_u) and np.array_equal(inv, want_inv.reshape(-1))
         assert np.array_equal(u[inv], ids)
+    other = (rng.zipf(1.1, n) % rows).astype(np.int64)  # a later window over the dirty scratch
+    u, inv = dedup(other, rows)
+    want_u, want_inv = np.unique(other, return_inverse=True)
+    assert np.array_equal(u, want_u) and np.array_equal(inv, want_inv.reshape(-1))
     u, inv = dedup(np.zeros(0, dtype=np.int64), rows)
     assert u.size == 0 and inv.size == 0
 

@@ -98,6 +98,7 @@ class WindowRun:
         self.cache_version: dict[str, np.ndarray] = {}
         self.occ_bags: dict[str, np.ndarray] | None = None
         self.calls: dict[asyncio.Task[Any], _Call] = {}
+        self.header: common_pb2.RequestHeader | None = None
         self.first_send = math.inf
         self.last_reply = -math.inf
 
@@ -146,14 +147,18 @@ class WindowRun:
     # ---- sending -----------------------------------------------------------------------
 
     def _header(self, deadline: float, now: float) -> common_pb2.RequestHeader:
-        """The RPC's header: the first caller's tenant, the most urgent caller's priority,
-        and ``deadline`` (monotonic s on the injected clock) as the time left from ``now``."""
-        return make_header(
-            timeout_s=None if math.isinf(deadline) else deadline - now,
-            tenant=self.handles[0].item.tenant,
-            priority=min(h.item.priority for h in self.handles).name.lower(),
-            request_id=f"window-{id(self):x}",
-        )
+        """The window's RPC header, built at its first send and shared by every RPC (the
+        deadline is the window's, so the wall-clock ``deadline_unix_ms`` is too): the
+        first caller's tenant, the most urgent caller's priority, and ``deadline``
+        (monotonic s on the injected clock) as the time left from ``now``."""
+        if self.header is None:
+            self.header = make_header(
+                timeout_s=None if math.isinf(deadline) else deadline - now,
+                tenant=self.handles[0].item.tenant,
+                priority=min(h.item.priority for h in self.handles).name.lower(),
+                request_id=f"window-{id(self):x}",
+            )
+        return self.header
 
     def _known(self, shard: int) -> bool:
         """Whether ``shard`` is in the client's current fleet: a plan refresh may have

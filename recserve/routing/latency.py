@@ -170,4 +170,6 @@ class LatencyTracker:
         fresh = now - self.slow_ttl_s
         last = self._last.tolist()
         over = [e == e and e > bar and t >= fresh for e, t in zip(ewma, last)]
+        if not any(over):  # the usual answer: no second array, no OR
+            return ejected
         return ejected | np.array(over, dtype=bool)

@@ -90,6 +90,10 @@ class EdfQueue:
         """Pop live handles in order while their summed cost stays <= ``max_cost``; with
         ``first_free`` the first one is popped whatever its cost. Popped handles get
         ``new_status``. The bulk form of peek + pop for batch formation."""
+        if self._dead == 0 and self.cost <= max_cost and self.count:
+            whole = self._take_all(new_status)  # everything fits: no heap pops
+            if whole is not None:
+                return whole
         out: list[Handle] = []
         total = 0.0
         for heap in self._heaps:
@@ -114,6 +118,24 @@ class EdfQueue:
             if self.count == 0:
                 self.cost = 0.0
                 self.open_since = None
+        return out
+
+    def _take_all(self, new_status: ItemStatus) -> list[Handle] | None:
+        """Every queued handle, in (deadline, seq) order, when one class holds them all
+        and none is dead (the common case of a window that takes its whole queue): one
+        sort instead of a heap pop each. None otherwise."""
+        live = [heap for heap in self._heaps if heap]
+        if len(live) != 1:
+            return None
+        heap = live[0]
+        heap.sort()  # (deadline, seq) are unique: handles are never compared
+        out = [entry[2] for entry in heap]
+        heap.clear()
+        for handle in out:
+            handle.status = new_status
+        self.count = 0
+        self.cost = 0.0
+        self.open_since = None
         return out
 
     def pop_expired(self, now: float) -> Handle | None:

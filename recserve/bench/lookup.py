@@ -190,7 +190,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         report["memory_budget_source"] = "--memory-bytes" if args.memory_bytes else ("redis used_memory" if report["redis_used_memory"] else "1.35x raw rows (no Redis)")
         near_rows = max(1, int(round(0.01 * args.items))) if args.near_cache_rows is None else args.near_cache_rows
         block_cache = args.block_cache_bytes or max(64 << 10, min(4 << 20, total // (50 * args.shards)))
-        budget = cap.split_budget(total, args.shards, near_cache_rows=near_rows, dim=args.dim, block_cache_bytes=block_cache)
+        budget = cap.split_budget(total, args.shards, near_cache_rows=near_rows, dim=args.dim, block_cache_bytes=block_cache, id_space=args.items)
         result = cap.plan_for_budget(table, popularity, args.shards, budget.shard_memory_bytes, warm_fraction=0.99, seed=args.seed)
         plan = result.plan
         plan.save(workdir / "plan.json")

@@ -77,10 +77,17 @@ class MemoryBudget:
         return dataclasses.asdict(self)
 
 
-def split_budget(total_bytes: int, num_shards: int, *, near_cache_rows: int, dim: int, block_cache_bytes: int) -> MemoryBudget:
-    """Take the near cache (fp32 rows + bookkeeping) off the top, then one block cache per
+def split_budget(
+    total_bytes: int, num_shards: int, *, near_cache_rows: int, dim: int, block_cache_bytes: int, id_space: int = 0
+) -> MemoryBudget:
+    """Take the near cache (fp32 rows + bookkeeping, plus its dense id -> slot map over
+    at most ``id_space`` ids, the table's rows) off the top, then one block cache per
     shard; what is left, split evenly, is each shard's planner budget."""
+    from recserve.lookup.near_cache import DENSE_SLOT_MAX_ID
+
     near = near_cache_rows * (dim * 4 + NEAR_CACHE_ROW_OVERHEAD_BYTES)
+    if near_cache_rows and 0 < id_space <= DENSE_SLOT_MAX_ID:
+        near += (id_space + 3) * (2 if near_cache_rows < 1 << 15 else 4)  # the map spans up to the largest cached id
     per_shard = (total_bytes - near) // num_shards - block_cache_bytes
     return MemoryBudget(total_bytes, near, block_cache_bytes, max(int(per_shard), 1))
 

@@ -89,3 +89,21 @@ def test_launcher_default_transport_settings_do_not_inherit_the_parents_exports(
     assert (tuned["GRPC_EXPERIMENTS"], tuned["MALLOC_MMAP_THRESHOLD_"]) == (POLL_IO_EXPERIMENTS, str(1 << 22))
     # Without transport settings the launcher leaves the inherited environment alone.
     assert ShardCluster(tmp_path / "plan.json", tmp_path / "data", num_shards=1)._env()["GRPC_EXPERIMENTS"] == POLL_IO_EXPERIMENTS
+
+
+def test_the_equal_memory_budget_counts_the_near_caches_dense_id_map() -> None:
+    """The near cache's id -> slot map (int16 over the table's ids) is client memory
+    like its rows: the shards' budget shrinks by it, so recserve never holds more than
+    Redis's used_memory."""
+    from recserve.bench.lookup_capacity import NEAR_CACHE_ROW_OVERHEAD_BYTES, split_budget
+    from recserve.lookup.near_cache import NearCache
+
+    rows_only = split_budget(100 << 20, 2, near_cache_rows=2000, dim=64, block_cache_bytes=1 << 20)
+    with_map = split_budget(100 << 20, 2, near_cache_rows=2000, dim=64, block_cache_bytes=1 << 20, id_space=200_000)
+    assert rows_only.near_cache_bytes == 2000 * (64 * 4 + NEAR_CACHE_ROW_OVERHEAD_BYTES)
+    assert with_map.near_cache_bytes == rows_only.near_cache_bytes + (200_000 + 3) * 2
+    assert with_map.shard_memory_bytes < rows_only.shard_memory_bytes
+    # The bound holds for the real cache: its map spans at most the table's ids.
+    cache = NearCache({"item": (np.array([5, 199_999], dtype=np.int64), 64)}, staleness_s=1.0)
+    held = cache._tables["item"].slot_of
+    assert held is not None and held.nbytes <= (200_000 + 3) * 2

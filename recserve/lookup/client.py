@@ -218,7 +218,7 @@ class LookupClient:
         assert loop is not None
         running = [h for h in batch.handles if not h.done]  # not cancelled since scheduling
         if running:
-            await WindowRun(self.runtime, running, loop.resolve).run()
+            await WindowRun(self.runtime, running, loop.resolve, loop.resolve_done).run()
         # Every caller was resolved through loop.resolve, so the scheduler ignores these;
         # were one left unresolved (a bug), it fails loudly instead of hanging or
         # receiving None.

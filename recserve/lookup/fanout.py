@@ -63,18 +63,26 @@ class _Call:
 
 
 class WindowRun:
-    """One window's life: ``await WindowRun(runtime, handles, loop.resolve).run()``.
+    """One window's life: ``await WindowRun(runtime, handles, loop.resolve, loop.resolve_done).run()``.
 
     ``handles`` are the scheduler's running items of the window (payload: a
     :class:`CallerLookup`); each caller's result is handed to ``resolve(handle,
-    Done(result))`` as soon as it is ready, on the event loop thread. An exception out of
+    Done(result))`` (or, for a group resolved together, ``resolve_done(handles, results)``
+    when given) as soon as it is ready, on the event loop thread. An exception out of
     :meth:`run` is the batch's failure (the serving loop fails every unresolved item).
     """
 
-    def __init__(self, rt: Runtime, handles: Sequence[Handle], resolve: Callable[[Handle, Resolution], bool]) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        handles: Sequence[Handle],
+        resolve: Callable[[Handle, Resolution], bool],
+        resolve_done: Callable[[Sequence[Handle], Sequence[Any]], int] | None = None,
+    ) -> None:
         self.rt = rt
         self.handles = list(handles)
         self._deliver = resolve
+        self._deliver_done = resolve_done  # several Done answers in one call, when given
         self.callers: list[CallerLookup] = [h.item.payload for h in self.handles]
         self.plan = rt.plan
         cfg = rt.config
@@ -342,10 +350,15 @@ class WindowRun:
             return
         results = await self._offload(self._results, live)
         stats = self.rt.stats
-        for c, result in zip(live, results):
-            stats.missing += result.missing
-            stats.degraded_callers += int(result.missing > 0)
-            self._deliver(self.handles[c], Done(result))  # on the loop thread, never the executor
+        missing = [r.missing for r in results]
+        stats.missing += sum(missing)
+        stats.degraded_callers += len(missing) - missing.count(0)
+        # On the loop thread, never the executor; callers cancelled meanwhile are skipped.
+        if self._deliver_done is not None:
+            self._deliver_done([self.handles[c] for c in live], results)
+        else:
+            for c, result in zip(live, results):
+                self._deliver(self.handles[c], Done(result))
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work on the executor for big windows, inline for small ones."""

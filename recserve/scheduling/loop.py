@@ -286,6 +286,11 @@ class ServingLoop:
         thread, e.g. from a coroutine runner as each item's part of the work arrives."""
         return self.scheduler.resolve(handle, outcome, self._clock())
 
+    def resolve_done(self, handles: Sequence[Handle], outputs: Sequence[Any]) -> int:
+        """Answer several running items early with their outputs, in one call
+        (:meth:`Scheduler.resolve_done`); on the loop's event-loop thread."""
+        return self.scheduler.resolve_done(handles, outputs, self._clock())
+
     def _cancel(self, handle: Handle) -> None:
         if self.scheduler.cancel(handle, self._clock()):
             self._wake_up()

@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-window-ms", type=float, default=None, help="lookup.max_window_ms: the adaptive cap without close-at-dispatch (default: LookupConfig's, 2 ms)")
     p.add_argument("--no-close-at-dispatch", action="store_true", help="lookup.close_at_dispatch = false: every window waits its timer")
     p.add_argument("--stream-requests", type=int, default=60_000, help="requests in the shared Zipf stream; a mode stops early if it runs out (default 60000)")
-    p.add_argument("--prebuilt-kjts", type=int, default=30_000, help="requests whose KJT is built before timing (default 30000)")
+    p.add_argument("--prebuilt-kjts", type=int, default=60_000, help="requests whose KJT is built before timing (default 60000, the whole default stream)")
     p.add_argument("--target-ids", type=int, default=8192, help="ids that close a window early (lookup.target_ids, default 8192)")
     p.add_argument("--max-inflight", type=int, default=4, help="windows in flight (lookup.max_inflight_batches, default 4)")
     p.add_argument("--check-requests", type=int, default=2000, help="client results kept for the TorchRec check (default 2000)")

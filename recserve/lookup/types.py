@@ -51,7 +51,7 @@ class CallerLookup:
     n_ids: int
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class LookupResult:
     """What one caller gets back.
 
@@ -68,6 +68,8 @@ class LookupResult:
     default row by contract, never an error, not degraded). ``missing_bags[f]``: int64
     ``[B]``, the missing ids of each of feature ``f``'s bags, for the features with any
     (so a caller batching several requests into one lookup can attribute them).
+
+    Slotted: a window builds one per caller, and a slotted instance is cheaper to make.
     """
 
     pooled: "KeyedTensor | None"

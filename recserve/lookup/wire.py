@@ -20,10 +20,10 @@ import dataclasses
 
 import numpy as np
 
-from recserve.errors import InternalError
+from recserve.errors import InternalError, InvalidArgument
 from recserve.lookup.route import FetchUnit
 from recserve.lookup.window import TableWindow
-from recserve.rpc.tensors import INT8_EXTRA_BYTES, dequantize_int8, pack, unpack
+from recserve.rpc.tensors import INT8_EXTRA_BYTES, NP_DTYPE_OF, dequantize_int8, pack_into, unpack
 from recserve.v1 import common_pb2, embedding_pb2
 
 ROW_DTYPE_ENUM = {"float32": common_pb2.FLOAT32, "float16": common_pb2.FLOAT16, "int8": common_pb2.INT8_ROWWISE}
@@ -69,42 +69,67 @@ def build_request(
 ) -> embedding_pb2.LookupRequest:
     """One shard's request: a TableLookup per unit, in unit order. ``occurrence_bags``
     (table -> [N]) switches on shard-side partial pooling: full-row units carry the
-    window's bags, column-slice units row bags (see the module docstring)."""
-    lookups = []
+    window's bags, column-slice units row bags (see the module docstring).
+
+    Built in place (``tables.add`` and :func:`pack_into` the final message's fields):
+    constructing sub-messages first would copy every id array again into the request.
+    """
+    request = embedding_pb2.LookupRequest(
+        row_dtype=ROW_DTYPE_ENUM[row_dtype],  # type: ignore[arg-type]
+        pooled=occurrence_bags is not None,
+        plan_version=plan_version,
+    )
+    request.header.CopyFrom(header)
+    add = request.tables.add
     for u in units:
         w = windows[u.table]
-        tl = embedding_pb2.TableLookup(
-            table=u.table, ids=pack(np.take(w.unique_ids, u.positions)), col_start=u.col_start, col_end=u.col_end
-        )
+        tl = add(table=u.table, col_start=u.col_start, col_end=u.col_end)
+        pack_into(tl.ids, np.take(w.unique_ids, u.positions))
         if occurrence_bags is not None:
             if u.full_row:
                 idx, off = unit_bags(w, occurrence_bags[u.table], u.positions)
             else:
                 idx, off = np.arange(len(u), dtype=np.int64), np.arange(len(u) + 1, dtype=np.int64)
-            tl.bag_indices.CopyFrom(pack(idx))
-            tl.bag_offsets.CopyFrom(pack(off))
-        lookups.append(tl)
-    return embedding_pb2.LookupRequest(
-        header=header,
-        tables=lookups,
-        row_dtype=ROW_DTYPE_ENUM[row_dtype],  # type: ignore[arg-type]
-        pooled=occurrence_bags is not None,
-        plan_version=plan_version,
-    )
+            pack_into(tl.bag_indices, idx)
+            pack_into(tl.bag_offsets, off)
+    return request
+
+
+def _reply_array(tensor: common_pb2.Tensor, field: str, dtype: int, shape: list[int]) -> np.ndarray:
+    """A reply tensor that must be exactly ``dtype`` and ``shape`` ([n] or [n, w]),
+    decoded as a read-only view over its bytes.
+
+    The well-formed reply (every reply of a healthy shard) is checked with one
+    comparison each for dtype, shape and byte count, without the rank, sign and
+    overflow checks :func:`unpack` pays on every tensor (an exact expected shape makes
+    them moot: a hostile shape cannot equal it). Anything else goes
+    through :func:`unpack`'s checks for the message naming what is wrong, raised as
+    :class:`InternalError` (a shard's bad reply is the server's fault, not the caller's).
+    """
+    if tensor.dtype == dtype and tensor.shape == shape:
+        np_dtype = NP_DTYPE_OF[dtype]
+        data = tensor.data  # read once: every read of a bytes field copies it
+        if len(data) == (shape[0] * shape[1] if len(shape) == 2 else shape[0]) * np_dtype.itemsize:
+            flat = np.frombuffer(data, dtype=np_dtype)
+            return flat if len(shape) == 1 else flat.reshape(shape)
+    try:
+        array = unpack(tensor, field, expect_dtype=dtype, expect_ndim=len(shape))
+    except InvalidArgument as e:
+        raise InternalError(e.message) from e
+    _check_shape(array.shape, tuple(shape), field)
+    return array
 
 
 def decode_rows(tensor: common_pb2.Tensor, field: str, n: int, width: int, row_dtype: str) -> np.ndarray:
-    """Rows on the wire -> fp32 [n, width] (fp16 widened, int8 rowwise dequantised)."""
+    """Rows on the wire -> fp32 [n, width] (fp16 widened, int8 rowwise dequantised).
+    Raises InternalError naming ``field`` when dtype, shape or byte count is wrong."""
     if row_dtype == "int8":
-        fused = unpack(tensor, field, expect_dtype=common_pb2.INT8_ROWWISE, expect_ndim=2)
-        _check_shape(fused.shape, (n, width + INT8_EXTRA_BYTES), field)
-        return dequantize_int8(fused)
-    rows = unpack(tensor, field, expect_dtype=ROW_DTYPE_ENUM[row_dtype], expect_ndim=2)
-    _check_shape(rows.shape, (n, width), field)
+        return dequantize_int8(_reply_array(tensor, field, common_pb2.INT8_ROWWISE, [n, width + INT8_EXTRA_BYTES]))
+    rows = _reply_array(tensor, field, ROW_DTYPE_ENUM[row_dtype], [n, width])
     return rows if row_dtype == "float32" else rows.astype(np.float32)
 
 
-def _check_shape(got: tuple[int, ...], want: tuple[int, int], field: str) -> None:
+def _check_shape(got: tuple[int, ...], want: tuple[int, ...], field: str) -> None:
     if tuple(got) != want:
         raise InternalError(f"{field}: shard answered shape {list(got)}, expected {list(want)}")
 
@@ -122,31 +147,35 @@ def parse_response(
     ``pooled`` (a partial-pooling request), full-row units reply partial sums over the
     table window's bags and column-slice units their rows (row bags).
 
-    Raises InternalError when the reply does not fit the request (count, table, slice
-    or shape mismatch): the caller treats that shard call as failed, not retryable.
+    Raises InternalError naming the field when the reply does not fit the request
+    (count, table, dtype, shape or byte-count mismatch): the caller treats that shard
+    call as failed, not retryable.
     """
-    if len(response.tables) != len(units):
-        raise InternalError(f"shard answered {len(response.tables)} tables for {len(units)} lookups")
+    tables = response.tables
+    if len(tables) != len(units):
+        raise InternalError(f"shard answered {len(tables)} tables for {len(units)} lookups")
     out = []
-    for i, (tr, u) in enumerate(zip(response.tables, units)):
+    uint8 = common_pb2.UINT8
+    for i, (tr, u) in enumerate(zip(tables, units)):
         if tr.table != u.table:
             raise InternalError(f"reply table {i} is {tr.table!r}, expected {u.table!r}")
-        n = len(u)
-        width = dims[u.table] if u.full_row else u.col_end - u.col_start
-        field = f"reply.tables[{i}]"
-        found = unpack(tr.found, f"{field}.found", expect_dtype=common_pb2.UINT8, expect_ndim=1)
-        not_owned = unpack(tr.not_owned, f"{field}.not_owned", expect_dtype=common_pb2.UINT8, expect_ndim=1)
-        if found.shape[0] != n or not_owned.shape[0] != n:
-            raise InternalError(f"{field}: found/not_owned hold {found.shape[0]}/{not_owned.shape[0]} entries for {n} ids")
+        n = u.positions.shape[0]
+        full = u.col_start == 0 and u.col_end == 0
+        width = dims[u.table] if full else u.col_end - u.col_start
+        found = _reply_array(tr.found, f"reply.tables[{i}].found", uint8, [n])
+        not_owned = _reply_array(tr.not_owned, f"reply.tables[{i}].not_owned", uint8, [n])
+        # astype(bool): any non-zero byte is True, so a sloppy shard's 2 cannot make a
+        # mask whose ~ is still true.
+        found_b, not_owned_b = found.astype(bool), not_owned.astype(bool)
         if pooled:
             assert num_bags is not None
-            part = unpack(tr.pooled, f"{field}.pooled", expect_dtype=common_pb2.FLOAT32, expect_ndim=2)
-            _check_shape(part.shape, (num_bags[u.table] if u.full_row else n, width), f"{field}.pooled")
-            if u.full_row:
-                out.append(UnitReply(None, found.astype(bool), not_owned.astype(bool), part))
+            part = _reply_array(tr.pooled, f"reply.tables[{i}].pooled", common_pb2.FLOAT32, [num_bags[u.table] if full else n, width])
+            if full:
+                out.append(UnitReply(None, found_b, not_owned_b, part))
             else:  # row bags: one bag per id, so the sums are the rows
-                out.append(UnitReply(part, found.astype(bool), not_owned.astype(bool), None))
+                out.append(UnitReply(part, found_b, not_owned_b, None))
         else:
-            rows = decode_rows(tr.rows, f"{field}.rows", n, width, row_dtype)
-            out.append(UnitReply(rows, found.astype(bool), not_owned.astype(bool), None))
+            rows = decode_rows(tr.rows, f"reply.tables[{i}].rows", n, width, row_dtype)
+            out.append(UnitReply(rows, found_b, not_owned_b, None))
     return out
+

@@ -22,7 +22,7 @@ from recserve.v1 import common_pb2
 
 # INT8_ROWWISE rows are uint8 on the wire: D quantised bytes + fp32 scale + fp32 bias.
 INT8_EXTRA_BYTES = 8  # fp32 scale + fp32 bias after a row's D codes
-_NP_OF: dict[int, np.dtype] = {
+NP_DTYPE_OF: dict[int, np.dtype] = {  # wire dtype enum -> numpy dtype
     common_pb2.FLOAT32: np.dtype("<f4"),
     common_pb2.FLOAT16: np.dtype("<f2"),
     common_pb2.INT8_ROWWISE: np.dtype("u1"),
@@ -64,7 +64,7 @@ def pack_into(out: common_pb2.Tensor, array: np.ndarray, dtype: int | None = Non
         dtype = found
     out.dtype = dtype  # type: ignore[assignment]
     out.shape[:] = array.shape
-    wire = _NP_OF[dtype]
+    wire = NP_DTYPE_OF[dtype]
     # tobytes writes C order whatever the array's strides: one copy, plus the cast's
     # only where the dtype differs (bool masks, a few bytes per id).
     out.data = (array if array.dtype == wire else array.astype(wire)).tobytes()
@@ -85,7 +85,7 @@ def unpack(
     # Every line here runs for each tensor of each RPC (ids, bags, masks): plain dict
     # and tuple work, ≈ 1 µs, where per-element generators cost ≈ 4 µs.
     dtype = tensor.dtype
-    np_dtype = _NP_OF.get(dtype)
+    np_dtype = NP_DTYPE_OF.get(dtype)
     if np_dtype is None:
         raise InvalidArgument(f"{field}: unknown dtype enum {dtype}; set dtype to one of FLOAT32, FLOAT16, INT8_ROWWISE, INT64, INT32, UINT8")
     if expect_dtype is not None and dtype != expect_dtype:

@@ -112,6 +112,77 @@ def data_bytes(result: Any, budget: MemoryBudget, row_cache_bytes: int) -> int:
     return int(result.bytes_per_shard["dram"].sum()) + s * (row_cache_bytes + budget.block_cache_bytes) + budget.near_cache_bytes
 
 
+# ---- the tiered run's disk floor -----------------------------------------------------------
+
+DIRECT_READ_BLOCK_BYTES = 4096  # RocksDB's data block here: one cold id that misses the caches reads one
+DIRECT_READ_THREADS = 16  # the best of 1-32 here: ≈ 13k reads/s on 1 thread, 35-48k on 8-16, fewer on 32
+
+
+def direct_read_rate(paths: Sequence[Path], *, seconds: float = 0.5, threads: int = DIRECT_READ_THREADS, block_bytes: int = DIRECT_READ_BLOCK_BYTES, seed: int = 0) -> float | None:
+    """Random aligned ``block_bytes`` reads per second from ``paths`` (the tiered run's
+    SST files) with ``O_DIRECT`` on ``threads`` threads, as a cold read that misses the
+    block cache does: the disk's ceiling for the tiered run. None where the files are
+    smaller than a block or the file system refuses ``O_DIRECT`` (tmpfs)."""
+    import mmap
+    import os
+
+    if not hasattr(os, "O_DIRECT"):  # not Linux: no page-cache-free read to measure
+        return None
+    fds: list[tuple[int, int]] = []
+    try:
+        for p in paths:
+            try:
+                fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+            except OSError:
+                continue
+            blocks = os.fstat(fd).st_size // block_bytes
+            if blocks:
+                fds.append((fd, blocks))
+            else:
+                os.close(fd)
+        if not fds:
+            return None
+        counts = [0] * threads
+        failed: list[OSError] = []
+        stop_at = time.monotonic() + seconds
+
+        def reader(t: int) -> None:
+            buf = mmap.mmap(-1, block_bytes)  # page-aligned, as O_DIRECT needs
+            rng = np.random.default_rng(seed + t)
+            picks = rng.integers(0, len(fds), 1 << 16)
+            fracs = rng.random(1 << 16)
+            i = 0
+            try:
+                while time.monotonic() < stop_at:
+                    fd, blocks = fds[picks[i & 0xFFFF]]
+                    os.preadv(fd, [buf], int(fracs[i & 0xFFFF] * blocks) * block_bytes)
+                    i += 1
+            except OSError as exc:  # EINVAL: O_DIRECT accepted at open, refused at read
+                failed.append(exc)
+            counts[t] = i
+
+        started = time.monotonic()
+        workers = [threading.Thread(target=reader, args=(t,), daemon=True) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        elapsed = time.monotonic() - started
+        return None if failed or elapsed <= 0 else sum(counts) / elapsed
+    finally:
+        for fd, _ in fds:
+            os.close(fd)
+
+
+def io_floor_rows_per_s(disk_reads_per_s: float | None, cold_reads: int, rows: int) -> float | None:
+    """The tiered run's best rows/s if the disk did nothing but its cold reads:
+    ``disk_reads_per_s`` / (RocksDB reads per requested row). None without a disk rate
+    or without cold reads (then the disk bounds nothing)."""
+    if disk_reads_per_s is None or cold_reads <= 0 or rows <= 0:
+        return None
+    return disk_reads_per_s * rows / cold_reads
+
+
 # ---- open-loop probes and knees ---------------------------------------------------------
 
 
@@ -296,6 +367,12 @@ def format_capacity(r: dict[str, Any]) -> list[str]:
         f"unloaded ({f(r.get('unloaded_rate_per_s'), 'g')} req/s): p50 {f(r.get('unloaded_p50_ms'), '.2f')} ms  p99 {f(r.get('unloaded_p99_ms'), '.2f')} ms",
         f"tiered ({c.get('tiered_fraction', 0.1):.0%} DRAM, RocksDB direct reads): {f(r.get('tiered_rows_per_s'))} rows/s; equal memory / tiered {f(r.get('equal_memory_vs_tiered'), '.2f')}",
     ]
+    t = r.get("tiered") or {}
+    if t.get("cold_reads_per_window") is not None:
+        lines.append(
+            f"  tiered disk: {f(t.get('cold_reads_per_window'))} RocksDB reads per window, disk {f(t.get('disk_direct_reads_per_s'))} direct 4 KiB reads/s "
+            f"-> at most {f(t.get('io_floor_rows_per_s'))} rows/s (equal memory / that floor {f(t.get('equal_memory_vs_io_floor'), '.2f')})"
+        )
     if r.get("knees"):
         lines.append(f"knees (>= 99% OK within {c.get('knee_slo_ms')} ms): " + "  ".join(f"{n} {f(v)}/s ({r['knees'][n]['status']})" for n, v in r["knee_per_s"].items())
                      + f"   ratio vs redis {f(r.get('knee_ratio_vs_redis'), '.2f')}, vs naive {f(r.get('knee_ratio_vs_naive'), '.2f')}")

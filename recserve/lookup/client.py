@@ -190,10 +190,10 @@ class LookupClient:
         """
         if self._loop is None:
             raise FailedPrecondition("LookupClient is not started; await client.start() first")
-        for name, value in (("timeout_s", timeout_s), ("deadline", deadline)):
-            if value is not None and math.isnan(value):
-                # min() would drop a NaN and silently serve without a deadline.
-                raise InvalidArgument(f"lookup {name} = {value!r} is invalid: give seconds as a number (math.inf or None for no deadline)")
+        # x != x only for NaN, which min() would drop, silently serving without a deadline.
+        if (timeout_s is not None and timeout_s != timeout_s) or (deadline is not None and deadline != deadline):
+            name, value = ("timeout_s", timeout_s) if timeout_s is not None and timeout_s != timeout_s else ("deadline", deadline)
+            raise InvalidArgument(f"lookup {name} = {value!r} is invalid: give seconds as a number (math.inf or None for no deadline)")
         tenant, priority = "default", _STANDARD  # the enum: no parse per caller
         limit = math.inf if deadline is None else deadline
         if timeout_s is not None:

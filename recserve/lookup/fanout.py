@@ -84,6 +84,7 @@ class WindowRun:
         self._deliver = resolve
         self._deliver_done = resolve_done  # several Done answers in one call, when given
         self.callers: list[CallerLookup] = [h.item.payload for h in self.handles]
+        self.n_ids = sum(c.n_ids for c in self.callers)
         self.plan = rt.plan
         cfg = rt.config
         self.dims = {t.name: t.dim for t in cfg.tables}
@@ -362,8 +363,7 @@ class WindowRun:
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work on the executor for big windows, inline for small ones."""
-        n = sum(c.n_ids for c in self.callers)
-        if self.rt.executor is None or n < self.rt.config.offload_ids:
+        if self.rt.executor is None or self.n_ids < self.rt.config.offload_ids:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.rt.executor, fn, *args)
 

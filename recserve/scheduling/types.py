@@ -78,6 +78,7 @@ class ItemStatus(enum.Enum):
 
 
 TERMINAL = frozenset({ItemStatus.DONE, ItemStatus.FAILED, ItemStatus.DROPPED, ItemStatus.CANCELLED})
+_ItemDone, _ItemFailed, _ItemDropped, _ItemCancelled = ItemStatus.DONE, ItemStatus.FAILED, ItemStatus.DROPPED, ItemStatus.CANCELLED
 
 
 @dataclasses.dataclass(slots=True)
@@ -150,7 +151,10 @@ class Handle:
 
     @property
     def done(self) -> bool:
-        return self.status in TERMINAL
+        # Identity tests, not ``in TERMINAL``: hashing an Enum member runs Python code
+        # (enum's __hash__), and this is asked of every caller several times per window.
+        s = self.status
+        return s is _ItemDone or s is _ItemFailed or s is _ItemDropped or s is _ItemCancelled
 
 
 @dataclasses.dataclass(slots=True, eq=False)

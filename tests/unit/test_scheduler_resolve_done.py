@@ -62,3 +62,12 @@ def test_resolve_done_refuses_an_item_that_is_not_running() -> None:
     assert queued is not None
     with pytest.raises(InternalError, match="needs a running item; it is queued"):
         sched.resolve_done([queued], ["x"], 12.0)
+
+
+def test_handle_done_is_exactly_the_terminal_statuses() -> None:
+    from recserve.scheduling.types import TERMINAL
+
+    h = Handle(WorkItem("r", "default", Priority.STANDARD, 1.0, 1.0, None), 1, 1.0, 0.0, 0.0)
+    for status in ItemStatus:
+        h.status = status
+        assert h.done is (status in TERMINAL), status

@@ -262,20 +262,11 @@ class Scheduler:
                 return False
             raise InternalError(f"request {handle.request_id}: resolve() needs a running item; it is {status.value}")
         kind = type(outcome)
-        handle.answered_at = now
         if kind is Done:
-            handle.status = _DONE
-            output = handle.output = outcome.output  # type: ignore[union-attr]
-            self.metrics.latency_s.record(now - handle.arrived_at)
+            self._answer(handle, outcome.output, now)  # type: ignore[union-attr]
             self.metrics.completed += 1
-            listener = handle.listener
-            if listener is not None:
-                handle.listener = None
-                try:
-                    listener.on_done(handle, output)
-                except Exception:
-                    log.exception("listener of request %s failed on done", handle.request_id)
         elif kind is Failed:
+            handle.answered_at = now
             handle.status = ItemStatus.FAILED
             self.metrics.failed += 1
             self._notify_error(handle, self._item_error(handle, outcome.error))  # type: ignore[union-attr]
@@ -290,27 +281,32 @@ class Scheduler:
         answered. Raises InternalError, like :meth:`resolve`, for an item that is
         neither running nor terminal (those before it stay answered)."""
         answered = 0
-        record = self.metrics.latency_s.record
-        for handle, output in zip(handles, outputs):
-            status = handle.status
-            if status is not _RUNNING:
-                if status in TERMINAL:
-                    continue
-                raise InternalError(f"request {handle.request_id}: resolve() needs a running item; it is {status.value}")
-            handle.answered_at = now
-            handle.status = _DONE
-            handle.output = output
-            record(now - handle.arrived_at)
-            answered += 1
-            listener = handle.listener
-            if listener is not None:
-                handle.listener = None
-                try:
-                    listener.on_done(handle, output)
-                except Exception:
-                    log.exception("listener of request %s failed on done", handle.request_id)
-        self.metrics.completed += answered
+        try:
+            for handle, output in zip(handles, outputs):
+                status = handle.status
+                if status is not _RUNNING:
+                    if status in TERMINAL:
+                        continue
+                    raise InternalError(f"request {handle.request_id}: resolve() needs a running item; it is {status.value}")
+                self._answer(handle, output, now)
+                answered += 1
+        finally:
+            self.metrics.completed += answered
         return answered
+
+    def _answer(self, handle: Handle, output: Any, now: float) -> None:
+        """A running item's early Done: its answer, the latency sample, its listener."""
+        handle.answered_at = now
+        handle.status = _DONE
+        handle.output = output
+        self.metrics.latency_s.record(now - handle.arrived_at)
+        listener = handle.listener
+        if listener is not None:
+            handle.listener = None
+            try:
+                listener.on_done(handle, output)
+            except Exception:
+                log.exception("listener of request %s failed on done", handle.request_id)
 
     def fail(self, batch: Batch, error: BaseException, now: float) -> None:
         """The runner failed: every item of the batch still running fails with ``error``

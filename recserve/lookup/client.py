@@ -9,7 +9,7 @@ when idle, after the small ``window_ms`` timer (or earlier: ``target_ids`` waiti
 the tightest caller's slack only just covering the expected window time); the window's
 runner (:class:`~recserve.lookup.fanout.WindowRun`) dedups, routes, fans out one RPC
 per shard, hedges and resolves every caller by its own deadline, each through the
-scheduler (``ServingLoop.resolve``) as soon as its rows are in: the scheduler's item
+scheduler (``ServingLoop.resolve_done``) as soon as its rows are in: the scheduler's item
 future is the one result channel. Up to ``max_inflight_batches`` windows run at once.
 
 Example::
@@ -208,7 +208,7 @@ class LookupClient:
             self.runtime.stats.callers_rejected += 1
             raise
         # The scheduler's item future is the one result channel: the window resolves it
-        # (ServingLoop.resolve) with this caller's result; cancelling the awaiting task
+        # (ServingLoop.resolve_done) with this caller's result; cancelling the awaiting task
         # cancels the item.
         result: LookupResult = await self._loop.submit_nowait(caller, cost=max(caller.n_ids, 1), deadline=limit, tenant=tenant, priority=priority)
         return result
@@ -218,8 +218,8 @@ class LookupClient:
         assert loop is not None
         running = [h for h in batch.handles if not h.done]  # not cancelled since scheduling
         if running:
-            await WindowRun(self.runtime, running, loop.resolve, loop.resolve_done).run()
-        # Every caller was resolved through loop.resolve, so the scheduler ignores these;
+            await WindowRun(self.runtime, running, loop.resolve_done).run()
+        # Every caller was resolved through loop.resolve_done, so the scheduler ignores these;
         # were one left unresolved (a bug), it fails loudly instead of hanging or
         # receiving None.
         unresolved = InternalError("lookup window finished without resolving this caller")

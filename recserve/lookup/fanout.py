@@ -41,8 +41,7 @@ from recserve.lookup.window import TableWindow, merge_window
 from recserve.lookup.wire import build_request, parse_response
 from recserve.rpc.deadline import make_header
 from recserve.rpc.status import grpc_code, is_retryable
-from recserve.scheduling import Done, Handle
-from recserve.scheduling.types import Resolution
+from recserve.scheduling import Handle
 from recserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
@@ -63,26 +62,18 @@ class _Call:
 
 
 class WindowRun:
-    """One window's life: ``await WindowRun(runtime, handles, loop.resolve, loop.resolve_done).run()``.
+    """One window's life: ``await WindowRun(runtime, handles, loop.resolve_done).run()``.
 
     ``handles`` are the scheduler's running items of the window (payload: a
-    :class:`CallerLookup`); each caller's result is handed to ``resolve(handle,
-    Done(result))`` (or, for a group resolved together, ``resolve_done(handles, results)``
-    when given) as soon as it is ready, on the event loop thread. An exception out of
+    :class:`CallerLookup`); each group of callers whose results are ready is answered
+    with ``resolve_done(handles, results)``, on the event loop thread. An exception out of
     :meth:`run` is the batch's failure (the serving loop fails every unresolved item).
     """
 
-    def __init__(
-        self,
-        rt: Runtime,
-        handles: Sequence[Handle],
-        resolve: Callable[[Handle, Resolution], bool],
-        resolve_done: Callable[[Sequence[Handle], Sequence[Any]], int] | None = None,
-    ) -> None:
+    def __init__(self, rt: Runtime, handles: Sequence[Handle], resolve_done: Callable[[Sequence[Handle], Sequence[Any]], int]) -> None:
         self.rt = rt
         self.handles = list(handles)
-        self._deliver = resolve
-        self._deliver_done = resolve_done  # several Done answers in one call, when given
+        self._deliver_done = resolve_done
         self.callers: list[CallerLookup] = [h.item.payload for h in self.handles]
         self.n_ids = sum(c.n_ids for c in self.callers)
         self.plan = rt.plan
@@ -355,11 +346,7 @@ class WindowRun:
         stats.missing += sum(missing)
         stats.degraded_callers += len(missing) - missing.count(0)
         # On the loop thread, never the executor; callers cancelled meanwhile are skipped.
-        if self._deliver_done is not None:
-            self._deliver_done([self.handles[c] for c in live], results)
-        else:
-            for c, result in zip(live, results):
-                self._deliver(self.handles[c], Done(result))
+        self._deliver_done([self.handles[c] for c in live], results)
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work on the executor for big windows, inline for small ones."""

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from recserve.errors import FailedPrecondition, InternalError, InvalidArgument
+from recserve.errors import FailedPrecondition, InternalError, InvalidArgument, RecserveError
 from recserve.lookup.config import LookupClientConfig
 from recserve.lookup.fanout import WindowRun
 from recserve.lookup.runtime import Runtime
@@ -46,7 +46,7 @@ from recserve.lookup.types import LookupResult
 from recserve.lookup.upsert import send_upsert
 from recserve.lookup.validate import validate_features
 from recserve.rpc.deadline import context_from_header, make_header
-from recserve.scheduling import Batch, Failed, FeatureParallelConfig, FeatureParallelPolicy, Priority, Scheduler, ServingLoop
+from recserve.scheduling import Batch, Failed, FeatureParallelConfig, FeatureParallelPolicy, Handle, Priority, Scheduler, ServingLoop
 from recserve.scheduling.admission import AdmissionConfig
 from recserve.sharding.plan import ShardingPlan
 from recserve.v1 import common_pb2
@@ -203,7 +203,11 @@ class LookupClient:
             tenant, priority = ctx.tenant, ctx.priority
             limit = min(limit, ctx.deadline)
         try:
-            caller = validate_features(features, table_of_feature=self._table_of_feature, table_rows=self._table_rows, pooled=pooled, deadline=limit)
+            # A one-feature caller's id range is checked by its window, over every
+            # caller's ids at once (merge_window); a bad one fails alone there.
+            caller = validate_features(
+                features, table_of_feature=self._table_of_feature, table_rows=self._table_rows, pooled=pooled, deadline=limit, defer_range_check=True
+            )
         except InvalidArgument:
             self.runtime.stats.callers_rejected += 1
             raise
@@ -218,12 +222,17 @@ class LookupClient:
         assert loop is not None
         running = [h for h in batch.handles if not h.done]  # not cancelled since scheduling
         if running:
-            await WindowRun(self.runtime, running, loop.resolve_done).run()
+            await WindowRun(self.runtime, running, loop.resolve_done, self._reject).run()
         # Every caller was resolved through loop.resolve_done, so the scheduler ignores these;
         # were one left unresolved (a bug), it fails loudly instead of hanging or
         # receiving None.
         unresolved = InternalError("lookup window finished without resolving this caller")
         return [Failed(unresolved)] * len(batch)
+
+    def _reject(self, handle: Handle, error: RecserveError) -> None:
+        """Fail one running caller of a window alone (an id out of range)."""
+        assert self._loop is not None
+        self._loop.resolve(handle, Failed(error))
 
     # ---- upserts -------------------------------------------------------------------------
 

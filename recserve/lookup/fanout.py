@@ -37,7 +37,7 @@ from recserve.lookup.reassemble import TableAssembly, resolve_callers
 from recserve.lookup.route import FetchUnit, chunk_units, first_live, route_window
 from recserve.lookup.runtime import Runtime
 from recserve.lookup.types import CallerLookup, LookupResult
-from recserve.lookup.window import TableWindow, merge_window
+from recserve.lookup.window import OutOfRange, TableWindow, merge_window
 from recserve.lookup.wire import build_request, parse_response
 from recserve.rpc.deadline import make_header
 from recserve.rpc.status import grpc_code, is_retryable
@@ -62,35 +62,36 @@ class _Call:
 
 
 class WindowRun:
-    """One window's life: ``await WindowRun(runtime, handles, loop.resolve_done).run()``.
+    """One window's life: ``await WindowRun(runtime, handles, loop.resolve_done, reject).run()``.
 
     ``handles`` are the scheduler's running items of the window (payload: a
     :class:`CallerLookup`); each group of callers whose results are ready is answered
-    with ``resolve_done(handles, results)``, on the event loop thread. An exception out of
-    :meth:`run` is the batch's failure (the serving loop fails every unresolved item).
+    with ``resolve_done(handles, results)``, on the event loop thread. A caller with an
+    id out of range (its check deferred to the window) is failed alone with
+    ``reject(handle, error)`` before anything is sent, and the window goes on without
+    it. An exception out of :meth:`run` is the batch's failure (the serving loop fails
+    every unresolved item).
     """
 
-    def __init__(self, rt: Runtime, handles: Sequence[Handle], resolve_done: Callable[[Sequence[Handle], Sequence[Any]], int]) -> None:
+    def __init__(
+        self,
+        rt: Runtime,
+        handles: Sequence[Handle],
+        resolve_done: Callable[[Sequence[Handle], Sequence[Any]], int],
+        reject: Callable[[Handle, RecserveError], object],
+    ) -> None:
         self.rt = rt
-        self.handles = list(handles)
         self._deliver_done = resolve_done
-        self.callers: list[CallerLookup] = [h.item.payload for h in self.handles]
-        self.n_ids = sum(c.n_ids for c in self.callers)
+        self._reject = reject
         self.plan = rt.plan
         cfg = rt.config
         self.dims = {t.name: t.dim for t in cfg.tables}
         self.table_rows = {t.name: t.rows for t in cfg.tables}
         self.pooling = {t.name: t.pooling for t in cfg.tables}
-        self.partial = cfg.partial_pooling and all(c.pooled for c in self.callers)
-        self.resolved = np.zeros(len(self.handles), dtype=bool)
-        self.deadlines = np.array([c.deadline for c in self.callers], dtype=np.float64)
+        self._bind(handles)
         self.windows: dict[str, TableWindow] = {}
         self.asm: dict[str, TableAssembly] = {}
         self.inflight: dict[str, np.ndarray] = {}  # table -> int16 [U] outstanding calls per row
-        # Every RPC carries the window's latest caller deadline: a row's own latest
-        # deadline would be tighter for some RPCs, but once every caller is resolved the
-        # window cancels what is still in flight, so the looser bound costs no work.
-        self.latest_deadline = float(self.deadlines.max()) if len(self.callers) else math.inf
         # The near cache this window's slots index: a plan refresh swaps in a new cache
         # with other slots, so replies must fill the one the slots were taken from.
         self.near_cache = rt.near_cache
@@ -101,6 +102,35 @@ class WindowRun:
         self.header: common_pb2.RequestHeader | None = None
         self.first_send = math.inf
         self.last_reply = -math.inf
+
+    def _bind(self, handles: Sequence[Handle]) -> None:
+        """The window's callers and what follows from them alone."""
+        self.handles = list(handles)
+        self.callers: list[CallerLookup] = [h.item.payload for h in self.handles]
+        n = len(self.callers)
+        self.n_ids = sum(c.n_ids for c in self.callers)
+        self.partial = self.rt.config.partial_pooling and all(c.pooled for c in self.callers)
+        self.resolved = np.zeros(n, dtype=bool)
+        self.deadlines = np.fromiter((c.deadline for c in self.callers), dtype=np.float64, count=n)
+        # Every RPC carries the window's latest caller deadline: a row's own latest
+        # deadline would be tighter for some RPCs, but once every caller is resolved the
+        # window cancels what is still in flight, so the looser bound costs no work.
+        self.latest_deadline = float(self.deadlines.max()) if n else math.inf
+
+    async def _prepare_sound(self) -> dict[int, list[FetchUnit]]:
+        """:meth:`_prepare`; callers with an id out of range are rejected (each alone,
+        InvalidArgument naming the feature and id) and the rest prepared without them."""
+        rt = self.rt
+        try:
+            return await self._offload(self._prepare, rt.clock())
+        except OutOfRange as bad:
+            rt.stats.callers_rejected += len(bad.errors)
+            for c, error in bad.errors.items():
+                self._reject(self.handles[c], error)
+            self._bind([h for c, h in enumerate(self.handles) if c not in bad.errors])
+            if not self.handles:
+                return {}
+            return await self._offload(self._prepare, rt.clock())
 
     # ---- prepare (pure, may run on a worker thread) ------------------------------------
 
@@ -362,7 +392,7 @@ class WindowRun:
         rt.stats.windows += 1
         rt.stats.callers += len(self.callers)
         try:
-            by_shard = await self._offload(self._prepare, rt.clock())
+            by_shard = await self._prepare_sound()
             for shard, units in by_shard.items():
                 for chunk in chunk_units(units, rt.config.max_ids_per_rpc):
                     self._send(shard, chunk, is_hedge=False)

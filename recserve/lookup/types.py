@@ -25,12 +25,16 @@ class TableInput:
     ``ids``: int64 [L], the ids of ``features`` concatenated in that order.
     ``lengths``: int64 [F * B], bag lengths feature-major (all bags of ``features[0]``,
     then ``features[1]``...), exactly as a KeyedJaggedTensor lays out its lengths.
-    ``feature_counts``: int64 [F], how many of ``ids`` each feature contributed.
+    Both are numpy arrays, or the caller's own dense CPU int64 tensors for a caller
+    whose id range its window checks (``validate_features(defer_range_check=True)``):
+    the window concatenates them in one ``torch.cat``, without a ``.numpy()`` per caller.
+    ``feature_counts``: int64 [F], how many of ``ids`` each feature contributed
+    (read-only: it may be shared).
     """
 
     features: tuple[str, ...]
-    ids: np.ndarray
-    lengths: np.ndarray
+    ids: "np.ndarray | torch.Tensor"
+    lengths: "np.ndarray | torch.Tensor"
     feature_counts: np.ndarray
 
 

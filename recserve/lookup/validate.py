@@ -1,8 +1,11 @@
 """Per-caller input validation, done before a caller joins a window.
 
 A bad caller (unknown feature, bad shape, out-of-range id) fails alone with
-``INVALID_ARGUMENT``; the window it would have joined never sees it. The checks are
-array operations per feature (a loop over features, never over ids).
+``INVALID_ARGUMENT``. The checks are array operations per feature (a loop over
+features, never over ids). The client defers one of them, the id range of a
+one-feature caller: a window checks all its ids at once (one reduction over the
+merged ids, :func:`recserve.lookup.window.merge_window`) and fails only the callers
+with an id out of range, with the same error, before any id is used.
 """
 
 from __future__ import annotations
@@ -21,6 +24,12 @@ if TYPE_CHECKING:
 
 _INT_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 _SMALL = 32  # up to this many lengths, check them as a Python list
+_I64, _STRIDED = torch.int64, torch.strided
+
+
+def out_of_range(feature: str, table: str, rows: int, bad_id: int) -> InvalidArgument:
+    """The error of a caller whose ``feature`` holds ``bad_id`` outside ``[0, rows)``."""
+    return InvalidArgument(f"feature {feature!r}: table {table!r} has {rows:,} rows; id {bad_id:,} is out of range [0, {rows:,})")
 
 
 def _as_int64(tensor: torch.Tensor, field: str) -> np.ndarray:
@@ -28,39 +37,66 @@ def _as_int64(tensor: torch.Tensor, field: str) -> np.ndarray:
     if getattr(tensor, "dtype", None) not in _INT_DTYPES:
         raise InvalidArgument(f"{field} has dtype {getattr(tensor, 'dtype', type(tensor).__name__)}; use an integer dtype (int64 or int32)")
     try:
-        array = tensor.numpy()  # the common case: a CPU tensor without grad, zero-copy
-    except RuntimeError:  # on a device, or requires grad
-        array = tensor.detach().cpu().numpy()
+        array = tensor.numpy()  # the common case: a dense CPU tensor, zero-copy
+    except (RuntimeError, TypeError):  # on a device (TypeError), sparse, or requires grad
+        try:
+            array = tensor.detach().to_dense().cpu().numpy()
+        except Exception as e:  # a meta tensor, or a layout without a dense form
+            raise InvalidArgument(f"{field} cannot be read as a CPU array ({type(e).__name__}: {e}); give a dense tensor") from None
     if array.ndim != 1:
         raise InvalidArgument(f"{field} has shape {list(array.shape)}; it must be 1-D")
     return array if array.dtype == np.int64 else array.astype(np.int64)
 
 
+# Read-only [1] feature counts by id count: a one-feature caller's TableInput.feature_counts,
+# shared rather than built per caller (nothing writes them).
+_ONE_COUNT: dict[int, np.ndarray] = {}
+
+
+def _one_count(n: int) -> np.ndarray:
+    counts = _ONE_COUNT.get(n)
+    if counts is None:
+        counts = np.array((n,), dtype=np.int64)
+        counts.flags.writeable = False
+        if len(_ONE_COUNT) < 4096:
+            _ONE_COUNT[n] = counts
+    return counts
+
+
 def _one_feature(
-    features: "KeyedJaggedTensor", keys: tuple[str, ...], table_of_feature: dict[str, str], table_rows: dict[str, int], pooled: bool, deadline: float
+    features: "KeyedJaggedTensor", keys: tuple[str, ...], table_of_feature: dict[str, str], table_rows: dict[str, int] | None, pooled: bool, deadline: float
 ) -> CallerLookup | None:
-    """The common caller, checked with the fewest calls: one feature, int64 CPU
+    """The common caller, checked with the fewest calls: one feature, dense int64 CPU
     tensors, no weights, one stride, at most ``_SMALL`` bags. None: anything else, or
-    anything wrong (:func:`validate_features`' general path then names the error)."""
+    anything wrong (:func:`validate_features`' general path then names the error).
+
+    ``table_rows`` None defers the id range check to the window (the client's path):
+    the ids stay the caller's tensors, which the window concatenates in one call."""
     table = table_of_feature.get(keys[0])
-    values_t, lengths_t = features.values(), features.lengths()
-    if table is None or values_t.dtype is not torch.int64 or lengths_t.dtype is not torch.int64 or lengths_t.dim() != 1 or values_t.dim() != 1:
+    if table is None:
         return None
-    if lengths_t.shape[0] > _SMALL or features.weights_or_none() is not None or features.variable_stride_per_key():
+    values_t, lengths_t = features.values(), features.lengths()
+    # Attribute reads only: a torch call costs ~1 µs, an attribute ~0.1 µs. A dense CPU
+    # int64 1-D tensor is what torch.cat and .numpy() take without a copy or an error.
+    if values_t.dtype is not _I64 or lengths_t.dtype is not _I64 or values_t.layout is not _STRIDED or lengths_t.layout is not _STRIDED:
+        return None
+    if not (values_t.is_cpu and lengths_t.is_cpu) or values_t.dim() != 1 or lengths_t.dim() != 1:
         return None
     small = lengths_t.tolist()
+    if len(small) > _SMALL or features.weights_or_none() is not None or features.variable_stride_per_key():
+        return None
     n = values_t.shape[0]
     if (small and min(small) < 0) or sum(small) != n:
         return None
-    try:
-        values, lengths = values_t.numpy(), lengths_t.numpy()
-    except RuntimeError:  # on a device, or requires grad
-        return None
-    rows = table_rows[table]
-    # Viewed as unsigned, a negative id is huge: one max() checks both ends of [0, rows).
-    if n and int(values.view(np.uint64).max()) >= rows:
-        return None
-    part = TableInput(features=keys, ids=values, lengths=lengths, feature_counts=np.array((n,), dtype=np.int64))
+    if table_rows is None:
+        ids, lengths = values_t, lengths_t
+    else:
+        ids, lengths = values_t.numpy(), lengths_t.numpy()
+        rows = table_rows[table]
+        # Viewed as unsigned, a negative id is huge: one max() checks both ends of [0, rows).
+        if n and int(ids.view(np.uint64).max()) >= rows:
+            return None
+    part = TableInput(features=keys, ids=ids, lengths=lengths, feature_counts=_one_count(n))
     return CallerLookup(keys=keys, batch_size=len(small), tables={table: part}, pooled=pooled, deadline=deadline, n_ids=n)
 
 
@@ -71,8 +107,13 @@ def validate_features(
     table_rows: dict[str, int],
     pooled: bool,
     deadline: float,
+    defer_range_check: bool = False,
 ) -> CallerLookup:
     """Check one caller's KJT and regroup it per table.
+
+    ``defer_range_check`` (the client's path): a one-feature caller that passes every
+    other check is returned without its id range checked, its ids and lengths the
+    KJT's own tensors; the window it joins checks them (:func:`out_of_range`).
 
     Raises :class:`InvalidArgument` naming the feature and the value for: unknown or
     repeated keys, weighted or variable-batch KJTs, lengths that are negative or do
@@ -84,7 +125,7 @@ def validate_features(
     """
     keys = tuple(features.keys())
     if len(keys) == 1:
-        fast = _one_feature(features, keys, table_of_feature, table_rows, pooled, deadline)
+        fast = _one_feature(features, keys, table_of_feature, None if defer_range_check else table_rows, pooled, deadline)
         if fast is not None:
             return fast
     tables_of = [table_of_feature.get(k) for k in keys]
@@ -128,8 +169,7 @@ def validate_features(
         assert table is not None
         rows = table_rows[table]
         if values.size and int(values.view(np.uint64).max()) >= rows:
-            bad = int(values[(values < 0) | (values >= rows)][0])
-            raise InvalidArgument(f"feature {key!r}: table {table!r} has {rows:,} rows; id {bad:,} is out of range [0, {rows:,})")
+            raise out_of_range(key, table, rows, int(values[(values < 0) | (values >= rows)][0]))
         n = int(values.shape[0])
         part = TableInput(features=keys, ids=values, lengths=lengths, feature_counts=np.array((n,), dtype=np.int64))
         return CallerLookup(keys=keys, batch_size=batch, tables={table: part}, pooled=pooled, deadline=deadline, n_ids=n)
@@ -143,8 +183,7 @@ def validate_features(
         start = end
         rows = table_rows[table]
         if ids.size and int(ids.view(np.uint64).max()) >= rows:
-            bad = int(ids[(ids < 0) | (ids >= rows)][0])
-            raise InvalidArgument(f"feature {key!r}: table {table!r} has {rows:,} rows; id {bad:,} is out of range [0, {rows:,})")
+            raise out_of_range(key, table, rows, int(ids[(ids < 0) | (ids >= rows)][0]))
         names, id_parts, len_parts = by_table.setdefault(table, ([], [], []))
         names.append(key)
         id_parts.append(ids)

@@ -5,6 +5,11 @@ runs are concatenated in window order and deduplicated with one
 :func:`dedup` per table (a bitmap for catalog-sized tables, else ``np.unique``), so a row wanted by several features
 and several callers is fetched once. ``inverse`` maps every occurrence back to its
 unique row; reassembly gathers / pools through it.
+
+With ``table_rows`` given, the merge also checks every id's range, one reduction per
+table: a caller whose id is outside ``[0, rows)`` (its check deferred by the client,
+``validate_features(defer_range_check=True)``) raises :class:`OutOfRange` naming those
+callers, before any id indexes anything.
 """
 
 from __future__ import annotations
@@ -14,10 +19,52 @@ import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import torch
 
-from recserve.lookup.types import CallerLookup
+from recserve.errors import InvalidArgument
+from recserve.lookup.types import CallerLookup, TableInput
+from recserve.lookup.validate import out_of_range
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+
+class OutOfRange(Exception):
+    """Callers of a window with an id out of their table's range: ``errors`` maps the
+    caller's window index to its InvalidArgument (the first bad id of its first bad
+    feature). The rest of the window is sound; merge it again without them."""
+
+    def __init__(self, errors: dict[int, InvalidArgument]) -> None:
+        super().__init__(f"{len(errors)} caller(s) with ids out of range")
+        self.errors = errors
+
+
+def _concat(parts: "list[np.ndarray | torch.Tensor]") -> np.ndarray:
+    """int64 [sum of lengths]: ``parts`` (numpy arrays or dense CPU int64 tensors)
+    concatenated. All tensors (the client's callers): one ``torch.cat``, ~6x cheaper
+    than a ``.numpy()`` per part."""
+    if len(parts) == 1:
+        only = parts[0]
+        return only.numpy() if isinstance(only, torch.Tensor) else only
+    try:
+        return torch.cat(parts).numpy()  # type: ignore[arg-type]
+    except TypeError:  # some parts are numpy arrays
+        return np.concatenate([p.numpy() if isinstance(p, torch.Tensor) else p for p in parts])
+
+
+def _range_errors(table: str, rows: int, ids: np.ndarray, id_offsets: np.ndarray, parts: "list[TableInput | None]") -> dict[int, InvalidArgument]:
+    """The callers (window index -> error) with an id of ``table`` outside ``[0, rows)``:
+    ``ids`` int64 [N] is the window's merged ids, caller c's at
+    ``id_offsets[c]:id_offsets[c + 1]``. Runs only when a window has such an id."""
+    bad = np.flatnonzero(ids.view(np.uint64) >= rows)
+    owners = np.searchsorted(id_offsets, bad, side="right") - 1
+    errors: dict[int, InvalidArgument] = {}
+    for c, first in zip(*np.unique(owners, return_index=True)):  # one pass per bad caller
+        part = parts[int(c)]
+        assert part is not None
+        at = int(bad[first] - id_offsets[c])  # its first bad id, within its ids of this table
+        feature = part.features[int(np.searchsorted(np.cumsum(part.feature_counts), at, side="right"))]
+        errors[int(c)] = out_of_range(feature, table, rows, int(ids[bad[first]]))
+    return errors
 
 
 @dataclasses.dataclass(slots=True)
@@ -118,36 +165,43 @@ def dedup(ids: np.ndarray, rows: int | None = None) -> tuple[np.ndarray, np.ndar
 
 def merge_window(callers: Sequence[CallerLookup], table_rows: Mapping[str, int] | None = None) -> dict[str, TableWindow]:
     """Merge ``callers`` per table and deduplicate: one :func:`dedup` per table
-    (``table_rows``, when given, lets it use the dense bitmap).
+    (``table_rows``, when given, lets it use the dense bitmap, and checks every id's
+    range first: :class:`OutOfRange` names the callers with an id outside it).
 
     Example: caller 0 asks table ``t`` for ids [5, 3, 5], caller 1 for [3, 9] ->
     ``unique_ids`` [3, 5, 9], ``inverse`` [1, 0, 1, 0, 2], ``id_offsets`` [0, 3, 5].
     """
+    n = len(callers)
     tables = dict.fromkeys(name for caller in callers for name in caller.tables)  # first-seen order
     out: dict[str, TableWindow] = {}
-    n = len(callers)
+    errors: dict[int, InvalidArgument] = {}
     for name in tables:
         parts = [caller.tables.get(name) for caller in callers]
         present = [p for p in parts if p is not None]
-        if len(present) == 1:
-            ids, lengths = present[0].ids, present[0].lengths
-        else:
-            ids = np.concatenate([p.ids for p in present]) if present else _EMPTY
-            lengths = np.concatenate([p.lengths for p in present]) if present else _EMPTY
+        ids = _concat([p.ids for p in present]) if present else _EMPTY
+        lengths = _concat([p.lengths for p in present]) if present else _EMPTY
         # Per-caller counts with one fromiter each (0 for callers without this table).
         id_counts = np.zeros(n + 1, dtype=np.int64)
         bag_counts = np.zeros(n + 1, dtype=np.int64)
         id_counts[1:] = np.fromiter((0 if p is None else p.ids.shape[0] for p in parts), dtype=np.int64, count=n)
         bag_counts[1:] = np.fromiter((0 if p is None else p.lengths.shape[0] for p in parts), dtype=np.int64, count=n)
-        unique_ids, inverse = dedup(ids, None if table_rows is None else table_rows.get(name))
+        id_offsets = np.cumsum(id_counts)
+        rows = None if table_rows is None else table_rows.get(name)
+        # Viewed as unsigned, a negative id is huge: one max() checks both ends of [0, rows).
+        if rows is not None and ids.shape[0] and int(ids.view(np.uint64).max()) >= rows:
+            errors.update((c, e) for c, e in _range_errors(name, rows, ids, id_offsets, parts).items() if c not in errors)
+            continue
+        unique_ids, inverse = dedup(ids, rows)
         out[name] = TableWindow(
             table=name,
             unique_ids=unique_ids,
             inverse=inverse,
-            id_offsets=np.cumsum(id_counts),
+            id_offsets=id_offsets,
             bag_lengths=lengths.astype(np.int64, copy=False),
             bag_offsets=np.cumsum(bag_counts),
         )
+    if errors:
+        raise OutOfRange(errors)
     return out
 
 

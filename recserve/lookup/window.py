@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Mapping, Sequence
+from itertools import chain
 
 import numpy as np
 import torch
@@ -26,6 +27,7 @@ from recserve.lookup.types import CallerLookup, TableInput
 from recserve.lookup.validate import out_of_range
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+_ZERO = (0,)
 
 
 class OutOfRange(Exception):
@@ -180,12 +182,17 @@ def merge_window(callers: Sequence[CallerLookup], table_rows: Mapping[str, int] 
         present = [p for p in parts if p is not None]
         ids = _concat([p.ids for p in present]) if present else _EMPTY
         lengths = _concat([p.lengths for p in present]) if present else _EMPTY
-        # Per-caller counts with one fromiter each (0 for callers without this table).
-        id_counts = np.zeros(n + 1, dtype=np.int64)
-        bag_counts = np.zeros(n + 1, dtype=np.int64)
-        id_counts[1:] = np.fromiter((0 if p is None else p.ids.shape[0] for p in parts), dtype=np.int64, count=n)
-        bag_counts[1:] = np.fromiter((0 if p is None else p.lengths.shape[0] for p in parts), dtype=np.int64, count=n)
-        id_offsets = np.cumsum(id_counts)
+        # Per-caller offsets: one fromiter and one cumsum each (0 for callers without
+        # this table). In a one-table window a caller's ids and bags are all in it, and
+        # ints on the caller are cheaper to read than a tensor's shape.
+        if len(tables) == 1:
+            id_gen = (c.n_ids for c in callers)
+            bag_gen = (len(c.keys) * c.batch_size for c in callers)
+        else:
+            id_gen = (0 if p is None else p.ids.shape[0] for p in parts)
+            bag_gen = (0 if p is None else p.lengths.shape[0] for p in parts)
+        id_offsets = np.cumsum(np.fromiter(chain(_ZERO, id_gen), dtype=np.int64, count=n + 1))
+        bag_offsets = np.cumsum(np.fromiter(chain(_ZERO, bag_gen), dtype=np.int64, count=n + 1))
         rows = None if table_rows is None else table_rows.get(name)
         # Viewed as unsigned, a negative id is huge: one max() checks both ends of [0, rows).
         if rows is not None and ids.shape[0] and int(ids.view(np.uint64).max()) >= rows:
@@ -198,7 +205,7 @@ def merge_window(callers: Sequence[CallerLookup], table_rows: Mapping[str, int] 
             inverse=inverse,
             id_offsets=id_offsets,
             bag_lengths=lengths.astype(np.int64, copy=False),
-            bag_offsets=np.cumsum(bag_counts),
+            bag_offsets=bag_offsets,
         )
     if errors:
         raise OutOfRange(errors)

@@ -96,7 +96,10 @@ def _one_feature(
         # Viewed as unsigned, a negative id is huge: one max() checks both ends of [0, rows).
         if n and int(ids.view(np.uint64).max()) >= rows:
             return None
-    part = TableInput(features=keys, ids=ids, lengths=lengths, feature_counts=_one_count(n))
+    counts = _ONE_COUNT.get(n)
+    if counts is None:
+        counts = _one_count(n)
+    part = TableInput(features=keys, ids=ids, lengths=lengths, feature_counts=counts)
     return CallerLookup(keys=keys, batch_size=len(small), tables={table: part}, pooled=pooled, deadline=deadline, n_ids=n)
 
 

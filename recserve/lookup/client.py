@@ -164,7 +164,7 @@ class LookupClient:
 
     # ---- lookups -------------------------------------------------------------------------
 
-    async def lookup(
+    def lookup(
         self,
         features: "KeyedJaggedTensor",
         *,
@@ -172,8 +172,9 @@ class LookupClient:
         deadline: float | None = None,
         timeout_s: float | None = None,
         header: common_pb2.RequestHeader | None = None,
-    ) -> LookupResult:
-        """Look up ``features`` (a KJT keyed by feature) for one caller.
+    ) -> "asyncio.Future[LookupResult]":
+        """Look up ``features`` (a KJT keyed by feature) for one caller: ``await`` the
+        returned future for the result.
 
         The deadline is the earliest of ``deadline`` (monotonic s on the client's clock),
         ``now + timeout_s`` and the header's ``deadline_unix_ms``; none of them (or
@@ -181,41 +182,49 @@ class LookupClient:
         ``timeout_s`` is InvalidArgument; a ``timeout_s`` <= 0 (or -inf) is a deadline
         already passed: DeadlineExceeded, like a header deadline in the past.
 
-        Raises InvalidArgument for a bad input (this caller only), ResourceExhausted when
-        admission rejects, DeadlineExceeded when the deadline had passed on arrival or
-        passes while the caller still waits in the queue (every window slot busy: the
-        scheduler drops it, no window ever sees it). Otherwise returns a result by the
-        deadline, degraded (default rows, ``missing`` counted) for rows that could not
-        arrive in time.
+        The future raises InvalidArgument for a bad input (this caller only),
+        ResourceExhausted when admission rejects, DeadlineExceeded when the deadline had
+        passed on arrival or passes while the caller still waits in the queue (every
+        window slot busy: the scheduler drops it, no window ever sees it). Otherwise it
+        gives a result by the deadline, degraded (default rows, ``missing`` counted) for
+        rows that could not arrive in time. Cancelling it (or the task awaiting it)
+        cancels the caller. Not a coroutine: a caller costs one future, not a coroutine
+        frame as well (a window holds dozens of callers).
         """
-        if self._loop is None:
+        loop = self._loop
+        if loop is None:
             raise FailedPrecondition("LookupClient is not started; await client.start() first")
-        # x != x only for NaN, which min() would drop, silently serving without a deadline.
-        if (timeout_s is not None and timeout_s != timeout_s) or (deadline is not None and deadline != deadline):
-            name, value = ("timeout_s", timeout_s) if timeout_s is not None and timeout_s != timeout_s else ("deadline", deadline)
-            raise InvalidArgument(f"lookup {name} = {value!r} is invalid: give seconds as a number (math.inf or None for no deadline)")
-        tenant, priority = "default", _STANDARD  # the enum: no parse per caller
-        limit = math.inf if deadline is None else deadline
-        if timeout_s is not None:
-            limit = min(limit, self._clock() + timeout_s)
-        if header is not None:
-            ctx = context_from_header(header)
-            tenant, priority = ctx.tenant, ctx.priority
-            limit = min(limit, ctx.deadline)
         try:
-            # A one-feature caller's id range is checked by its window, over every
-            # caller's ids at once (merge_window); a bad one fails alone there.
-            caller = validate_features(
-                features, table_of_feature=self._table_of_feature, table_rows=self._table_rows, pooled=pooled, deadline=limit, defer_range_check=True
-            )
-        except InvalidArgument:
-            self.runtime.stats.callers_rejected += 1
-            raise
-        # The scheduler's item future is the one result channel: the window resolves it
-        # (ServingLoop.resolve_done) with this caller's result; cancelling the awaiting task
-        # cancels the item.
-        result: LookupResult = await self._loop.submit_nowait(caller, cost=max(caller.n_ids, 1), deadline=limit, tenant=tenant, priority=priority)
-        return result
+            # x != x only for NaN, which min() would drop, silently serving without a deadline.
+            if (timeout_s is not None and timeout_s != timeout_s) or (deadline is not None and deadline != deadline):
+                name, value = ("timeout_s", timeout_s) if timeout_s is not None and timeout_s != timeout_s else ("deadline", deadline)
+                raise InvalidArgument(f"lookup {name} = {value!r} is invalid: give seconds as a number (math.inf or None for no deadline)")
+            tenant, priority = "default", _STANDARD  # the enum: no parse per caller
+            limit = math.inf if deadline is None else deadline
+            if timeout_s is not None:
+                limit = min(limit, self._clock() + timeout_s)
+            if header is not None:
+                ctx = context_from_header(header)
+                tenant, priority = ctx.tenant, ctx.priority
+                limit = min(limit, ctx.deadline)
+            try:
+                # A one-feature caller's id range is checked by its window, over every
+                # caller's ids at once (merge_window); a bad one fails alone there.
+                caller = validate_features(
+                    features, table_of_feature=self._table_of_feature, table_rows=self._table_rows, pooled=pooled, deadline=limit, defer_range_check=True
+                )
+            except InvalidArgument:
+                self.runtime.stats.callers_rejected += 1
+                raise
+            # The scheduler's item future is the one result channel: the window resolves
+            # it (ServingLoop.resolve_done) with this caller's result; cancelling it (or
+            # the task awaiting it) cancels the item.
+            result: asyncio.Future[LookupResult] = loop.submit_nowait(caller, cost=max(caller.n_ids, 1), deadline=limit, tenant=tenant, priority=priority)
+            return result
+        except RecserveError as e:  # this caller's error, raised where it awaits (as from a coroutine)
+            failed: asyncio.Future[LookupResult] = asyncio.get_running_loop().create_future()
+            failed.set_exception(e)
+            return failed
 
     async def _run_window(self, batch: Batch) -> list[Failed]:
         loop = self._loop

@@ -18,6 +18,8 @@ import dataclasses
 
 from prometheus_client import Counter, Histogram
 
+from recserve.metrics.histogram import BatchHistogram
+
 # Latency buckets (seconds): a shard Lookup answers in well under 1 ms on loopback, a
 # Recommend in tens of ms, a slow admin call in seconds.
 LATENCY_BUCKETS_S = (0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -37,9 +39,10 @@ RPC_LATENCY = Histogram(
 HTTP_REQUESTS = Counter("recserve_http_requests", "HTTP requests served by the gateway, by route and status", ["route", "status"])
 HTTP_LATENCY = Histogram("recserve_http_latency_seconds", "HTTP request handling time in the gateway", ["route"], buckets=LATENCY_BUCKETS_S)
 
-# -- every ServingLoop (recserve.scheduling.loop): label ``loop`` is the loop's name
+# -- every ServingLoop (recserve.scheduling.loop): label ``loop`` is the loop's name; queue
+# waits come a batch at a time (BatchHistogram.observe_many: one call per batch, not per item)
 SCHEDULER_BATCH_SIZE = Histogram("recserve_scheduler_batch_size", "Items per batch a scheduler formed", ["loop"], buckets=BATCH_SIZE_BUCKETS)
-SCHEDULER_QUEUE_WAIT = Histogram(
+SCHEDULER_QUEUE_WAIT = BatchHistogram(
     "recserve_scheduler_queue_wait_seconds", "Time an item waited in a scheduler's queue before a batch took it", ["loop"], buckets=LATENCY_BUCKETS_S,
 )  # fmt: skip
 

@@ -48,6 +48,26 @@ def _overrides(policy: Policy, hook: str) -> bool:
     return getattr(type(policy), hook) is not getattr(Policy, hook)
 
 
+class _WaitParts:
+    """What :meth:`Scheduler.estimated_wait_s` reads besides the queue: derived when a
+    batch forms or ends (or the service fit gets a sample), then reused by every add
+    until the next such event, instead of re-derived per caller (issue 9). Also the
+    fit's estimate for the latest cost asked (callers of one shape share a cost)."""
+
+    __slots__ = ("service_count", "mean_s", "size", "running", "parallelism", "free_slots", "service_s", "estimate_cost", "estimate_s")
+
+    def __init__(self, *, service_count: int, mean_s: float, size: float, running: int, parallelism: int, service_s: float) -> None:
+        self.service_count = service_count  # ServiceTimeEstimator.count it was derived at
+        self.mean_s = mean_s  # mean service time per batch
+        self.size = size  # max(1, mean items per batch)
+        self.running = running  # batches in flight
+        self.parallelism = parallelism
+        self.free_slots = parallelism - 1
+        self.service_s = service_s  # batch start -> an item's answer
+        self.estimate_cost = math.nan  # the cost estimate_s is for (NaN: none yet; it equals no cost)
+        self.estimate_s = 0.0
+
+
 class Scheduler:
     """One scheduler: a policy, an EDF queue, admission limits and metrics.
 
@@ -72,7 +92,10 @@ class Scheduler:
         self._seq = 0
         # Batches the owner runs at once (the serving loop's max_inflight): the queue
         # drains that many times faster, which the slack check at add accounts for.
-        self.parallelism = 1
+        self._parallelism = 1
+        # estimated_wait_s()'s inputs that move only when a batch forms or ends (or the
+        # service fit gets a sample): derived once per such event, not per add.
+        self._wait: _WaitParts | None = None
         self.shed = 0  # requests shed at add by the slack check (counted in drops as rejected too)
         self._batch_seq = 0
         self._mean_size = 1.0  # items per batch, weighted like the service-time fit (service_alpha)
@@ -80,7 +103,7 @@ class Scheduler:
         # The view gets only what it lends the policy (view.py never imports this module).
         self._view = CoreView(
             queue=self._queue, resident=self._resident, inflight=self._inflight,
-            record_wait=self.metrics.queue_wait_s.record, estimate_service_s=self.service.estimate_s,
+            record_waits=self.metrics.queue_wait_s.record_many, estimate_service_s=self.service.estimate_s,
             requeue=self._requeue, set_cost=self._set_cost,
         )
         # Hooks the policy leaves as the base no-op are skipped on the per-item path.
@@ -112,9 +135,35 @@ class Scheduler:
                 f"request {item.request_id}: priority {item.priority!r} is not a Priority; use Priority.parse()"
             )
         queue = self._queue
+        service = self.service
         try:
-            if item.deadline < _INF and self.service.count >= self.admission.config.shed_after_batches:  # a warm estimate only
-                self._shed_check(item, now)
+            if item.deadline < _INF and service.count >= self.admission.config.shed_after_batches:  # a warm estimate only
+                # The slack check (admission.py): shed the item if its slack is below the
+                # estimated queue wait + service time, since it could only be run into
+                # its deadline. Inlined: it runs for every caller with a deadline.
+                wait_s, service_s = self.estimated_wait_s()
+                # wait_s <= 0: it would start at once. Run it, whatever the estimate says:
+                # a run is the estimate's only refresh, and a stale, too-high one that shed
+                # an idle server's every request would never be corrected. Work whose
+                # slack is short by nature (a tight cascade deadline) then answers degraded.
+                if wait_s > 0.0:
+                    parts = self._wait  # fresh: estimated_wait_s() just derived it
+                    assert parts is not None
+                    if cost != parts.estimate_cost:  # the fit's estimate, once per cost and batch event
+                        parts.estimate_cost, parts.estimate_s = cost, service.estimate_s(cost)
+                    # max(service_s, estimate, item.min_service_s), without the call
+                    need_s = service_s
+                    if parts.estimate_s > need_s:
+                        need_s = parts.estimate_s
+                    if item.min_service_s > need_s:
+                        need_s = item.min_service_s
+                    slack_s = item.deadline - now
+                    if slack_s < wait_s + need_s and self.admission.config.shed_by_slack:
+                        try:
+                            self.admission.shed(item.request_id, slack_s, wait_s, need_s, queue.count)  # raises: the message and hint
+                        except RecserveError:
+                            self.shed += 1
+                            raise
             quota = self.admission.admit(item.tenant, cost, queue.count, queue.cost, now)
         except RecserveError:
             self.metrics.drops[DropReason.REJECTED] += 1
@@ -163,6 +212,7 @@ class Scheduler:
         metrics.batch_cost.record(cost)
         a = self.service.alpha
         self._mean_size = len(handles) if metrics.batches == 1 else self._mean_size + a * (len(handles) - self._mean_size)
+        self._wait = None  # one more batch running, a new mean size
         return batch
 
     def complete(self, batch: Batch, outcomes: Sequence[Any], now: float) -> None:
@@ -191,7 +241,8 @@ class Scheduler:
         early = 0.0  # what early answers (resolve) saved, summed over the batch's items
         policy = self.policy
         on_finish = self._on_finish
-        record_latency = self.metrics.latency_s.record
+        latencies: list[float] = []  # recorded once, in order, at the end
+        latency = latencies.append
         release = Admission.release
         completed = 0
         i = -1
@@ -200,13 +251,18 @@ class Scheduler:
                 if handle.status is not _RUNNING:  # cancelled or resolved while running: discard, release
                     if handle.answered_at >= started:
                         early += now - handle.answered_at
-                    self._release(handle, now)
+                    # _release, inlined: a lookup window's every caller was resolved early.
+                    if handle.quota is not None:
+                        release(handle.quota, handle.cost)
+                        handle.quota = None
+                    if on_finish is not None:
+                        on_finish(handle, now)
                     continue
                 kind = type(outcome)
                 if kind is Done:  # the hot path, inlined: one-shot batches finish every item here
                     handle.status = _DONE
                     output = handle.output = outcome.output
-                    record_latency(now - handle.arrived_at)
+                    latency(now - handle.arrived_at)
                     completed += 1
                     listener = handle.listener
                     if listener is not None:
@@ -241,12 +297,14 @@ class Scheduler:
             self._fail_handles(handles[i + 1:], err, now)  # not reached yet: running or cancelled in flight
             raise
         finally:
+            self.metrics.latency_s.record_many(latencies)
             self.metrics.completed += completed
         # When the batch's items got their answers, on average: its end, less what early
         # answers saved. A lookup window whose last caller waits for a late shard until
         # its deadline lasts 20 ms though most callers had theirs in 5.
         item_s = service_s - early / max(len(handles), 1)
         self._item_s = item_s if self.service.count == 1 else self._item_s + self.service.alpha * (item_s - self._item_s)
+        self._wait = None
         policy.on_batch_done(batch, service_s, now)
 
     def resolve(self, handle: Handle, outcome: Resolution, now: float) -> bool:
@@ -281,6 +339,8 @@ class Scheduler:
         answered. Raises InternalError, like :meth:`resolve`, for an item that is
         neither running nor terminal (those before it stay answered)."""
         answered = 0
+        latencies: list[float] = []  # recorded once, in order, at the end
+        latency = latencies.append
         try:
             for handle, output in zip(handles, outputs):
                 status = handle.status
@@ -288,9 +348,21 @@ class Scheduler:
                     if status in TERMINAL:
                         continue
                     raise InternalError(f"request {handle.request_id}: resolve() needs a running item; it is {status.value}")
-                self._answer(handle, output, now)
+                # _answer, inlined: this runs for every caller of a lookup window.
+                handle.answered_at = now
+                handle.status = _DONE
+                handle.output = output
+                latency(now - handle.arrived_at)
+                listener = handle.listener
+                if listener is not None:
+                    handle.listener = None
+                    try:
+                        listener.on_done(handle, output)
+                    except Exception:
+                        log.exception("listener of request %s failed on done", handle.request_id)
                 answered += 1
         finally:
+            self.metrics.latency_s.record_many(latencies)
             self.metrics.completed += answered
         return answered
 
@@ -391,16 +463,17 @@ class Scheduler:
             self._finish_error(handle, error, ItemStatus.FAILED, now)
         return len(pending)
 
-    def observe_queue_wait(self, observe: Callable[[float], None]) -> None:
-        """Also hand every queue-wait sample (seconds, one per item a batch takes from
-        the queue) to ``observe``, e.g. a Prometheus histogram's (the serving loop's)."""
-        record = self.metrics.queue_wait_s.record
+    def observe_queue_waits(self, observe_many: Callable[[list[float]], None]) -> None:
+        """Also hand the queue-wait samples (seconds, one per item a batch takes from the
+        queue) to ``observe_many``, a list per batch, e.g. a Prometheus histogram's
+        (the serving loop's :meth:`~recserve.metrics.histogram.BatchHistogram.observe_many`)."""
+        record_many = self.metrics.queue_wait_s.record_many
 
-        def both(seconds: float) -> None:
-            record(seconds)
-            observe(seconds)
+        def both(seconds: list[float]) -> None:
+            record_many(seconds)
+            observe_many(seconds)
 
-        self._view.set_record_wait(both)
+        self._view.set_record_waits(both)
 
     # ------------------------------------------------------------------ reads
     @property
@@ -432,6 +505,7 @@ class Scheduler:
         if self._inflight.pop(batch.batch_id, None) is None:
             raise InternalError(f"batch {batch.batch_id} is not in flight (completed or failed twice?)")
         self._running -= len(batch.handles)
+        self._wait = None  # one batch fewer running
 
     def _requeue(self, handle: Handle, now: float) -> None:
         handle.status = _QUEUED
@@ -526,6 +600,32 @@ class Scheduler:
         batch's end, or earlier for items answered early through :meth:`resolve`).
         Conservative for a request whose deadline or priority puts it ahead of part of
         the queue (EDF): it counts the whole queue, which costs O(1), not a scan."""
+        parts = self._wait
+        if parts is None or parts.service_count != self.service.count:
+            parts = self._wait = self._wait_parts()
+        queue = self._queue
+        count = queue.count
+        queued = count / parts.size
+        cap = self._batch_cap
+        if cap is not None and count:  # nothing queued: 0 either way, no cap() call
+            # A window policy puts everything queued into its next batch, up to its cap:
+            # the queue is at most cost / cap batches, fewer than count / mean size when
+            # more is waiting than a usual batch holds (at light load batches are small
+            # because little waits, so the mean size alone would shed callers that all
+            # fit the next window).
+            per_batch = cap()  # it may move (an SLO controller's): asked every time
+            by_cost = queue.cost / (1e-9 if 1e-9 > per_batch else per_batch)
+            if by_cost < queued:
+                queued = by_cost
+        # Its batch starts once all but parallelism - 1 of those ahead (queued, plus
+        # the running ones that hold the slots) have finished.
+        ahead = queued + parts.running - parts.free_slots
+        # The min / max above and here are spelt out as max() and min() decide them
+        # (NaN included): this runs for every caller with a deadline.
+        return parts.mean_s * (ahead if ahead > 0.0 else 0.0) / parts.parallelism, parts.service_s
+
+    def _wait_parts(self) -> _WaitParts:
+        """The inputs of :meth:`estimated_wait_s` that only a batch event moves."""
         service = self.service
         mean_s = service.mean_s()
         # Recent means (weighted as the service-time fit is), not all-time ones: after a
@@ -534,35 +634,21 @@ class Scheduler:
         # request's service (issue 9: a lookup client shed 7.5 % of callers at 2,500
         # req/s, a third of its knee, after a closed-loop warm-up's big windows).
         mean_size = self._mean_size
-        queued = self._queue.count / max(1.0, mean_size)
-        cap = self._batch_cap
-        if cap is not None:
-            # A window policy puts everything queued into its next batch, up to its cap:
-            # the queue is at most cost / cap batches, fewer than count / mean size when
-            # more is waiting than a usual batch holds (at light load batches are small
-            # because little waits, so the mean size alone would shed callers that all
-            # fit the next window).
-            queued = min(queued, self._queue.cost / max(cap(), 1e-9))
-        batches_ahead = queued + len(self._inflight)  # running ones hold the slots
-        # Its batch starts once all but parallelism - 1 of those ahead have finished.
-        wait_s = mean_s * max(0.0, batches_ahead - (self.parallelism - 1)) / self.parallelism
-        return wait_s, (self._item_s if service.count else mean_s)
+        return _WaitParts(
+            service_count=service.count, mean_s=mean_s, size=mean_size if mean_size > 1.0 else 1.0,
+            running=len(self._inflight), parallelism=self._parallelism,
+            service_s=self._item_s if service.count else mean_s,
+        )
 
-    def _shed_check(self, item: WorkItem, now: float) -> None:
-        """Shed ``item`` (ResourceExhausted) if its slack is below the estimated queue
-        wait + service time: it could only be run into its deadline (admission.py)."""
-        wait_s, service_s = self.estimated_wait_s()
-        if wait_s <= 0.0:
-            # It would start at once. Run it, whatever the estimate says: a run is the
-            # estimate's only refresh, and a stale, too-high one that shed an idle
-            # server's every request would never be corrected. Work whose slack is
-            # short by nature (a tight cascade deadline) then answers degraded instead.
-            return
-        try:
-            self.admission.shed(item.request_id, item.deadline - now, wait_s, max(service_s, self.service.estimate_s(item.cost), item.min_service_s), self._queue.count)
-        except RecserveError:
-            self.shed += 1
-            raise
+    @property
+    def parallelism(self) -> int:
+        """Batches the owner runs at once (the serving loop's ``max_inflight``)."""
+        return self._parallelism
+
+    @parallelism.setter
+    def parallelism(self, value: int) -> None:
+        self._parallelism = value
+        self._wait = None
 
     def _queue_drain_hint(self) -> float:
         """Retry-after hint for a full queue: batches ahead × mean service per batch."""

@@ -30,7 +30,6 @@ import asyncio
 import concurrent.futures
 import contextvars
 import inspect
-import itertools
 import logging
 import math
 import time
@@ -60,13 +59,15 @@ class _ItemFuture(asyncio.Future[Any]):
     """One item's result future and its listener in one object: the core resolves it
     through ``on_done`` / ``on_error`` and feeds ``on_partial`` to the stream queue.
     ``cancel()`` — by the caller, or by asyncio when the task awaiting it is cancelled —
-    also cancels the item in the scheduler; no per-item done callback is needed."""
+    also cancels the item in the scheduler; no per-item done callback is needed.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, owner: ServingLoop, partials: asyncio.Queue[Any] | None) -> None:
-        super().__init__(loop=loop)
-        self._owner = owner
-        self._partials = partials
-        self.handle: Handle | None = None
+    Built as ``_ItemFuture(loop=loop)`` (asyncio's own C ``__init__``, no Python call:
+    one is made per caller) and then given its three slots by :meth:`ServingLoop.submit_nowait`."""
+
+    __slots__ = ("_owner", "_partials", "handle")
+    _owner: ServingLoop
+    _partials: asyncio.Queue[Any] | None
+    handle: Handle | None
 
     def cancel(self, msg: Any | None = None) -> bool:
         if not super().cancel(msg):
@@ -81,8 +82,10 @@ class _ItemFuture(asyncio.Future[Any]):
 
     def on_done(self, handle: Handle, output: Any) -> None:
         self.handle = None  # finished: nothing left to cancel; no reference cycle
-        if not self.done():
+        try:
             self.set_result(output)
+        except asyncio.InvalidStateError:  # done already (cancelled): asking done() first costs every caller a call
+            pass
         if self._partials is not None:
             self._partials.put_nowait(_END)
 
@@ -153,7 +156,8 @@ class ServingLoop:
         self._executor = executor
         self._clock = clock
         self.name = name
-        self._ids = itertools.count(1)
+        self._last_id = 0  # the latest default request id's number (name-1, name-2, ...)
+        self._woken = False  # see _wake_up
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
@@ -171,7 +175,7 @@ class ServingLoop:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._observe_batch = catalog.SCHEDULER_BATCH_SIZE.labels(self.name).observe
-        self.scheduler.observe_queue_wait(catalog.SCHEDULER_QUEUE_WAIT.labels(self.name).observe)
+        self.scheduler.observe_queue_waits(catalog.SCHEDULER_QUEUE_WAIT.labels(self.name).observe_many)
         SCHEDULERS.track(self, self.name, self._metric_reading)
         if self._own_executor:
             self._executor = concurrent.futures.ThreadPoolExecutor(self.max_inflight, thread_name_prefix=f"recserve-{self.name}")
@@ -221,11 +225,32 @@ class ServingLoop:
         tenant: str = "default",
         priority: Priority | str = Priority.STANDARD,
         request_id: str | None = None,
+        min_service_s: float = 0.0,
     ) -> asyncio.Future[Any]:
         """Queue one item; returns its result future (cancel it to cancel the item).
-        ``deadline`` is monotonic seconds. Admission errors (ResourceExhausted with a
-        retry-after hint, DeadlineExceeded, InvalidArgument) raise here, synchronously."""
-        return self._submit(payload, cost, deadline, tenant, priority, request_id, None)
+        ``deadline`` is monotonic seconds; ``min_service_s``:
+        :class:`~recserve.scheduling.types.WorkItem`'s. Admission errors
+        (ResourceExhausted with a retry-after hint, DeadlineExceeded, InvalidArgument)
+        raise here, synchronously."""
+        # Every lookup caller comes through here: no helper call, no per-item object
+        # beyond the item, its future and its handle (issue 9's lean caller path).
+        loop = self._loop
+        if loop is None:
+            raise FailedPrecondition(f"serving loop {self.name!r} is not started; call start() first")
+        if self._closing or self._broken is not None:
+            raise Unavailable(f"serving loop {self.name!r} is closed; not accepting work")
+        if request_id is None:
+            self._last_id += 1
+            request_id = f"{self.name}-{self._last_id}"
+        item = WorkItem(request_id, tenant, priority if type(priority) is Priority else Priority.parse(priority), deadline, cost, payload, min_service_s)
+        future = _ItemFuture(loop=loop)
+        future._owner = self
+        future._partials = None
+        future.handle = self.scheduler.add(item, self._clock(), future)
+        if not self._woken:  # the driver's event is set already otherwise: skip Event.set
+            self._woken = True
+            self._wake.set()  # type: ignore[union-attr]  # made with the loop in start()
+        return future
 
     async def submit(
         self,
@@ -238,9 +263,10 @@ class ServingLoop:
         request_id: str | None = None,
         min_service_s: float = 0.0,
     ) -> Any:
-        """Queue one item and await its final output (see :meth:`submit_nowait`;
-        ``min_service_s``: :class:`~recserve.scheduling.types.WorkItem`'s)."""
-        return await self._submit(payload, cost, deadline, tenant, priority, request_id, None, min_service_s)
+        """Queue one item and await its final output (see :meth:`submit_nowait`)."""
+        return await self.submit_nowait(
+            payload, cost=cost, deadline=deadline, tenant=tenant, priority=priority, request_id=request_id, min_service_s=min_service_s,
+        )
 
     def submit_stream(
         self,
@@ -254,31 +280,13 @@ class ServingLoop:
     ) -> ItemStream:
         """Queue one streaming item: iterate the result for partial outputs (Continue),
         ``await stream.result()`` for the final output."""
+        future = self.submit_nowait(payload, cost=cost, deadline=deadline, tenant=tenant, priority=priority, request_id=request_id)
+        assert isinstance(future, _ItemFuture)
+        # Attached after add, before anything can reach it: partial outputs come only
+        # from a batch, and batches form on the driver, after this returns.
         partials: asyncio.Queue[Any] = asyncio.Queue()
-        future = self._submit(payload, cost, deadline, tenant, priority, request_id, partials)
+        future._partials = partials
         return ItemStream(future, partials)
-
-    def _submit(
-        self, payload: Any, cost: float, deadline: float, tenant: str, priority: Priority | str,
-        request_id: str | None, partials: asyncio.Queue[Any] | None, min_service_s: float = 0.0,
-    ) -> asyncio.Future[Any]:
-        if self._loop is None:
-            raise FailedPrecondition(f"serving loop {self.name!r} is not started; call start() first")
-        if self._closing or self._broken is not None:
-            raise Unavailable(f"serving loop {self.name!r} is closed; not accepting work")
-        item = WorkItem(
-            request_id if request_id is not None else f"{self.name}-{next(self._ids)}",
-            tenant,
-            priority if type(priority) is Priority else Priority.parse(priority),
-            deadline,
-            cost,
-            payload,
-            min_service_s,
-        )
-        future = _ItemFuture(self._loop, self, partials)
-        future.handle = self.scheduler.add(item, self._clock(), future)
-        self._wake_up()
-        return future
 
     def resolve(self, handle: Handle, outcome: Resolution) -> bool:
         """Answer one item of a running batch early (``Done`` / ``Failed``), with this
@@ -296,7 +304,10 @@ class ServingLoop:
             self._wake_up()
 
     def _wake_up(self) -> None:
-        if self._wake is not None:
+        # _woken: the event is set and the driver has not cleared it since (it clears
+        # both together), so a burst of submits calls Event.set once, not per item.
+        if self._wake is not None and not self._woken:
+            self._woken = True
             self._wake.set()
 
     # ------------------------------------------------------------------ driving
@@ -306,6 +317,7 @@ class ServingLoop:
         try:
             while True:
                 wake.clear()
+                self._woken = False
                 now = self._clock()
                 if self._closing and not self._drain:
                     sched.abort_pending(Unavailable(f"serving loop {self.name!r} closed before the request ran"), now)

@@ -31,7 +31,7 @@ class CoreView:
     policy during ``select`` / ``ready_at``; collects the batch being built."""
 
     __slots__ = (
-        "_queue", "_resident", "_inflight", "_record_wait", "_estimate_service_s", "_requeue", "_set_cost",
+        "_queue", "_resident", "_inflight", "_record_waits", "_estimate_service_s", "_requeue", "_set_cost",
         "_now", "_flush", "_handles", "_cost", "_from_queue", "_from_resident",
     )
 
@@ -41,7 +41,7 @@ class CoreView:
         queue: EdfQueue,
         resident: dict[int, Handle],
         inflight: Mapping[int, Batch],
-        record_wait: Callable[[float], None],
+        record_waits: Callable[[list[float]], None],
         estimate_service_s: Callable[[float], float],
         requeue: Callable[[Handle, float], None],
         set_cost: Callable[[Handle, float], None],
@@ -49,7 +49,9 @@ class CoreView:
         self._queue = queue
         self._resident = resident  # seq -> handle; run() / rollback() move handles in and out
         self._inflight = inflight  # read only: batches now running
-        self._record_wait = record_wait  # queue-wait seconds of each item taken
+        # Queue-wait seconds of the items taken, a list per take / take_while call: one
+        # call per batch, not per item (issue 9: a window takes dozens of callers).
+        self._record_waits = record_waits
         self._estimate_service_s = estimate_service_s
         self._requeue = requeue  # (handle, now): resident -> queued, counted as a preemption
         self._set_cost = set_cost  # (handle, cost): keeps queue cost and tenant quota in step
@@ -139,9 +141,9 @@ class CoreView:
     def peek(self) -> Handle | None:
         return self._queue.peek()
 
-    def set_record_wait(self, record_wait: Callable[[float], None]) -> None:
+    def set_record_waits(self, record_waits: Callable[[list[float]], None]) -> None:
         """Replace the queue-wait recorder (the core adds an exporter's to its own)."""
-        self._record_wait = record_wait
+        self._record_waits = record_waits
 
     # batch building
     def take(self) -> Handle:
@@ -151,7 +153,7 @@ class CoreView:
             raise InternalError("policy called take() on an empty queue") from None
         handle.status = _RUNNING
         handle.steps += 1
-        self._record_wait(self._now - handle.enqueued_at)
+        self._record_waits([self._now - handle.enqueued_at])
         self._handles.append(handle)
         self._cost += handle.cost
         self._from_queue = True
@@ -163,16 +165,15 @@ class CoreView:
         taken = self._queue.pop_up_to(max_cost - self._cost, not self._handles, _RUNNING)
         if not taken:
             return 0
-        record_wait = self._record_wait
         now = self._now
         cost = self._cost
         for handle in taken:
             handle.steps += 1
-            record_wait(now - handle.enqueued_at)
             cost += handle.cost
         self._cost = cost
         self._handles.extend(taken)
         self._from_queue = True
+        self._record_waits([now - handle.enqueued_at for handle in taken])
         return len(taken)
 
     def run(self, handle: Handle) -> None:

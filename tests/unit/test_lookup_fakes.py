@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -114,6 +115,9 @@ class FakeShards:
         code = self.errors.get(shard)
         if code is not None:
             raise shard_call_error(shard, code, "injected (fake)")
+
+    def start_lookup(self, shard: int, request: embedding_pb2.LookupRequest, timeout_s: float) -> Coroutine[Any, Any, embedding_pb2.LookupResponse]:
+        return self.lookup(shard, request, timeout_s)
 
     async def lookup(self, shard: int, request: embedding_pb2.LookupRequest, timeout_s: float) -> embedding_pb2.LookupResponse:
         self.calls.append(Recorded(shard, request))

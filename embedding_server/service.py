@@ -159,10 +159,14 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         """Rows (or pooled partial sums) for every ``TableLookup``; see the module
         docstring for the contract (unique ids per table and slice, bag limit)."""
         started = time.perf_counter()
-        self.counters.rpcs += 1
+        c = self.counters
+        c.rpcs += 1
         try:
-            await self.faults.before("Lookup", context)
-            core = self._ready()
+            if self.faults.enabled:  # test-only hook: no coroutine per RPC when it is off
+                await self.faults.before("Lookup", context)
+            core = self.core
+            if core is None or self.not_serving:
+                core = self._ready()  # raises the UNAVAILABLE that says why
             deadline = context_from_header(request.header, context.time_remaining()).deadline
             n_ids = count_ids(request.tables)
             core.check_size(n_ids, "LookupRequest")
@@ -173,7 +177,6 @@ class EmbeddingShardService(embedding_pb2_grpc.EmbeddingShardServicer):
         except Exception as exc:  # noqa: BLE001  (every failure is mapped to a status)
             await self._fail(context, "Lookup", exc)
             raise  # unreachable: abort_with raises
-        c = self.counters
         c.ids_requested += outcome.ids
         c.add_served(outcome.served)
         c.rows_missing += outcome.missing

@@ -14,6 +14,15 @@ in all. A duplicate would be gathered, answered and counted twice; the lookup cl
 deduplicates per table before routing, so a duplicate means a broken or hostile
 caller and is rejected (INVALID_ARGUMENT naming the table and an id). The same id in
 entries for *different* column slices (warm slices) is not a duplicate.
+
+Two paths answer a lookup. The fast path (:meth:`ShardCore.plan_fast`) takes what the
+lookup client sends — unpooled fp32 rows of one table and column slice, each entry
+sorted unique ids served whole by one tier — with a few array checks over all entries
+and one gather per entry; the general path takes everything else, bad requests
+included, and validates field by field. Both answer the same bytes and counts. For the
+bench's ~650-id requests (2 entries) the fast path costs ≈ 55 µs here against ≈ 70 µs
+(minimum over calls), of which ≈ 35 µs is copying rows: the gather, ``tobytes`` and the
+protobuf field's own copy.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from embedding_server.pooling import check_bags, pool_partial
 from embedding_server.quant import RowDType, from_wire
 from embedding_server.store import RowStore
 from embedding_server.table import TIERS, TableTiers
+from embedding_server.tiers import StorageTier
 from recserve.config.spec import ShardServerConfig
 from recserve.errors import DeadlineExceeded, InvalidArgument, NotFound, ResourceExhausted
 from recserve.rpc.tensors import pack_into, unpack
@@ -85,6 +95,31 @@ def check_unique_ids(table: str, cols: tuple[int, int], ids: list[np.ndarray], e
             f"{where} ({table!r}, columns {cols[0]}..{cols[1]}): id {dup:,} appears "
             f"{int(np.count_nonzero(flat == dup))} times; ids must be unique per table and column slice within one LookupRequest"
         )
+
+
+@dataclasses.dataclass
+class FastLookup:
+    """A request :meth:`ShardCore.plan_fast` accepted: one table and column slice, and
+    per TableLookup entry the tier serving all of it, its ids [n_k] and slots [n_k]."""
+
+    table: TableTiers
+    col_start: int
+    col_end: int
+    parts: list[tuple[StorageTier, np.ndarray, np.ndarray]]
+    ids: int
+
+
+_FLOAT32_WIRE = (common_pb2.DTYPE_UNSPECIFIED, common_pb2.FLOAT32)  # row_dtype values meaning fp32
+_INT64 = np.dtype("<i8")
+
+
+def _breaks_only_at(breaks: np.ndarray, starts: list[int]) -> bool:
+    """Whether every True of ``breaks`` (bool [N - 1], ``breaks[p]`` between ids p and
+    p + 1) sits just before an entry start in ``starts`` (ascending, starts[0] = 0)."""
+    at = breaks.nonzero()[0]  # the method: np.flatnonzero's wrappers cost ≈ 1 µs a call
+    if at.size == 0:
+        return True
+    return at.size < len(starts) and set((at + 1).tolist()) <= set(starts)
 
 
 class ShardCore:
@@ -149,7 +184,127 @@ class ShardCore:
 
     def lookup(self, request: embedding_pb2.LookupRequest, deadline: float) -> LookupOutcome:
         """Validate every table first (a bad table fails the RPC before any work), then
-        gather. ``deadline`` is monotonic seconds; expired work is dropped, not done."""
+        gather. ``deadline`` is monotonic seconds; expired work is dropped, not done.
+
+        The request the lookup client sends (see :meth:`plan_fast`) takes the fast path;
+        everything else, and every request with something to reject, the general one.
+        Both answer the same bytes and counts (``tests/unit/test_shard_lookup_fast.py``).
+        """
+        fast = self.plan_fast(request)
+        if fast is not None:
+            return self.lookup_fast(fast, deadline)
+        return self.lookup_general(request, deadline)
+
+    def plan_fast(self, request: embedding_pb2.LookupRequest) -> FastLookup | None:
+        """The fast path's plan for ``request``, or None to send it down the general path.
+
+        The fast path takes the request the lookup client sends: unpooled, fp32 rows,
+        one table, one column slice (all entries), every entry's ids INT64, rank 1,
+        non-empty, strictly increasing (``np.unique`` output) and in range, and served
+        whole by one tier of this shard that covers the slice (the client routes a
+        table's hot and its warm/cold ids as separate entries), a different tier per
+        entry. Distinct tiers hold distinct ids, so such entries hold no duplicate and
+        the general path's sort-based check is not needed. The order and residence
+        checks are array work over the concatenated ids (a compare and a
+        ``nonzero`` each), not per entry; nothing here has side effects, so a None
+        costs only the checks. Anything irregular (a bad request included) returns None: the
+        general path then validates it field by field and raises the same errors."""
+        if request.pooled or request.row_dtype not in _FLOAT32_WIRE:
+            return None
+        entries = request.tables
+        if not entries:
+            return None
+        first = entries[0]
+        name, raw_cols = first.table, (first.col_start, first.col_end)
+        table = self.tables.get(name)
+        if table is None:
+            return None
+        full = (0, table.dim)
+        cols = full if raw_cols == (0, 0) else raw_cols
+        cs, ce = cols
+        if not 0 <= cs < ce <= table.dim:
+            return None
+        rows = table.rows
+        arrays: list[np.ndarray] = []
+        total = 0
+        for tl in entries:
+            raw = (tl.col_start, tl.col_end)  # 0/0 and 0/dim both mean the full row
+            if tl.table != name or (raw != raw_cols and (full if raw == (0, 0) else raw) != cols):
+                return None
+            tensor = tl.ids
+            data = tensor.data  # read once: each read of a bytes field copies it
+            shape = tensor.shape
+            if tensor.dtype != common_pb2.INT64 or len(shape) != 1 or not data or shape[0] * 8 != len(data):
+                return None
+            ids = np.frombuffer(data, dtype=_INT64)
+            # The ends are the min and max only if the entry is increasing: checked below
+            # over all entries at once, before the ids index anything.
+            if ids[0] < 0 or ids[-1] >= rows:
+                return None
+            arrays.append(ids)
+            total += len(ids)
+        if total > self.max_ids_per_rpc:
+            return None
+        flat = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+        # Entry k starts at starts[k]; an order break or a change of residence may only
+        # fall on an entry's first id.
+        starts = [0]
+        for ids in arrays[:-1]:
+            starts.append(starts[-1] + len(ids))
+        if total > 1 and not _breaks_only_at(flat[1:] <= flat[:-1], starts):
+            return None
+        codes, slots = table.residence(flat)
+        if total > 1 and not _breaks_only_at(codes[1:] != codes[:-1], starts):
+            return None
+        parts: list[tuple[StorageTier, np.ndarray, np.ndarray]] = []
+        seen: set[int] = set()
+        for start, ids in zip(starts, arrays):
+            code = int(codes[start])
+            tier = table.tiers.get(code)  # None for NOT_OWNED: the general path answers defaults
+            if tier is None or code in seen or not tier.col_start <= cs < ce <= tier.col_end:
+                return None
+            seen.add(code)
+            parts.append((tier, ids, slots[start : start + len(ids)]))
+        return FastLookup(table=table, col_start=cs, col_end=ce, parts=parts, ids=total)
+
+    def lookup_fast(self, fast: FastLookup, deadline: float) -> LookupOutcome:
+        """Serve a request :meth:`plan_fast` accepted: one gather per entry (under one
+        hold of the table's lock), then its three tensors written straight into the
+        reply (found, an all-zero not_owned, fp32 rows [N, W]): what the general path
+        answers for it, without its per-entry dicts, masks and packing calls."""
+        if self.clock() > deadline:
+            raise DeadlineExceeded(f"shard {self.shard_id}: lookup deadline passed before its gathers ran")
+        table, cs, ce = fast.table, fast.col_start, fast.col_end
+        width = ce - cs
+        with table.lock:
+            gathered = [tier.gather(ids, slots, cs, ce, RowDType.FLOAT32) for tier, ids, slots in fast.parts]
+        response = embedding_pb2.LookupResponse(plan_version=self.plan_version)
+        add = response.tables.add
+        served = dict.fromkeys(TIERS, 0)
+        missing = 0
+        for (tier, ids, _), (rows, ok) in zip(fast.parts, gathered):
+            n = len(ids)
+            n_found = int(np.count_nonzero(ok))
+            if n_found < n:  # owned, not in RocksDB: the default row (gathers return fresh arrays)
+                rows[~ok] = table.default_row(RowDType.FLOAT32, width)
+                missing += n - n_found
+            served[tier.kind] += n_found
+            reply = add(table=table.name, col_start=cs, col_end=ce)
+            # What pack_into writes, field by field (found: bool bytes are 0/1 as uint8).
+            t = reply.found
+            t.dtype, t.data = common_pb2.UINT8, ok.tobytes()  # type: ignore[assignment]
+            t.shape.append(n)
+            t = reply.not_owned
+            t.dtype, t.data = common_pb2.UINT8, bytes(n)  # type: ignore[assignment]
+            t.shape.append(n)
+            t = reply.rows
+            t.dtype, t.data = common_pb2.FLOAT32, rows.tobytes()  # type: ignore[assignment]
+            t.shape.extend((n, width))
+        return LookupOutcome(response=response, ids=fast.ids, served=served, missing=missing, not_owned=0)
+
+    def lookup_general(self, request: embedding_pb2.LookupRequest, deadline: float) -> LookupOutcome:
+        """Any request: validate every table field by field (the errors the contract
+        names), then gather each entry through :meth:`TableTiers.lookup`."""
         self.check_size(count_ids(request.tables), "LookupRequest")
         self.check_bags(count_bags(request))
         out = from_wire(request.row_dtype)

@@ -35,6 +35,16 @@ class Runtime:
     clock: Callable[[], float] = time.monotonic
     executor: Executor | None = None
     windows_started: int = 0
+    # Per-table facts of the (frozen) config every window reads: built once, not per window.
+    dims: dict[str, int] = dataclasses.field(init=False)
+    table_rows: dict[str, int] = dataclasses.field(init=False)
+    pooling: dict[str, str] = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        tables = self.config.tables
+        self.dims = {t.name: t.dim for t in tables}
+        self.table_rows = {t.name: t.rows for t in tables}
+        self.pooling = {t.name: t.pooling for t in tables}
 
     def shard_state(self, now: float) -> ShardState:
         return ShardState(live=self.breakers.live(now), slow=self.tracker.slow(now), inflight_ids=self.inflight_ids.copy())

@@ -41,11 +41,21 @@ from recserve.lookup.window import OutOfRange, TableWindow, merge_window
 from recserve.lookup.wire import build_request, parse_response
 from recserve.rpc.deadline import make_header
 from recserve.rpc.status import grpc_code, is_retryable
-from recserve.scheduling import Handle
+from recserve.scheduling import Handle, ItemStatus
 from recserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+# Handle.done without a property call per caller: ``status in _TERMINAL`` on a tuple
+# compares by identity in C (a frozenset would hash the Enum member in Python).
+_TERMINAL = (ItemStatus.DONE, ItemStatus.FAILED, ItemStatus.DROPPED, ItemStatus.CANCELLED)
+_RUNNING = ItemStatus.RUNNING
+# Whole-array any / all / min of 1-D arrays as one C call each: ``ndarray.any()`` and
+# ``np.flatnonzero`` go through several Python frames per call in numpy 2, and the
+# window's reply path makes dozens of them (cold code: each frame costs).
+_any = np.logical_or.reduce
+_all = np.logical_and.reduce
+_min = np.minimum.reduce
 
 
 @dataclasses.dataclass(eq=False)
@@ -84,14 +94,10 @@ class WindowRun:
         self._deliver_done = resolve_done
         self._reject = reject
         self.plan = rt.plan
-        cfg = rt.config
-        self.dims = {t.name: t.dim for t in cfg.tables}
-        self.table_rows = {t.name: t.rows for t in cfg.tables}
-        self.pooling = {t.name: t.pooling for t in cfg.tables}
+        self.dims, self.table_rows, self.pooling = rt.dims, rt.table_rows, rt.pooling
         self._bind(handles)
         self.windows: dict[str, TableWindow] = {}
         self.asm: dict[str, TableAssembly] = {}
-        self.inflight: dict[str, np.ndarray] = {}  # table -> int16 [U] outstanding calls per row
         # The near cache this window's slots index: a plan refresh swaps in a new cache
         # with other slots, so replies must fill the one the slots were taken from.
         self.near_cache = rt.near_cache
@@ -142,7 +148,6 @@ class WindowRun:
         for table, w in self.windows.items():
             asm = TableAssembly(w, self.dims[table], np.ones(w.unique, np.int16), partial=self.partial)
             self.asm[table] = asm
-            self.inflight[table] = np.zeros(w.unique, dtype=np.int16)
             positions = np.arange(w.unique, dtype=np.int64)
             if self.near_cache is not None and not self.partial:
                 occurrences = np.bincount(w.inverse, minlength=w.unique)  # caller lookups per unique id
@@ -185,7 +190,7 @@ class WindowRun:
             self.header = make_header(
                 timeout_s=None if math.isinf(deadline) else deadline - now,
                 tenant=self.handles[0].item.tenant,
-                priority=min(h.item.priority for h in self.handles).name.lower(),
+                priority=min([h.item.priority for h in self.handles]).name.lower(),
                 request_id=f"window-{id(self):x}",
             )
         return self.header
@@ -211,9 +216,9 @@ class WindowRun:
             occurrence_bags=None if is_hedge else self.occ_bags,
         )
         rt.stats.serialise_s += time.perf_counter() - t0
-        n_ids = sum(len(u) for u in units)
-        for u in units:
-            self.inflight[u.table][u.positions] += 1
+        n_ids = sum([u.positions.shape[0] for u in units])
+        # No per-row in-flight count to scatter: which rows are still on the wire is
+        # read from the unfinished calls' units when a settle check needs it.
         known = self._known(shard)
         if known:
             rt.inflight_ids[shard] += n_ids
@@ -223,20 +228,29 @@ class WindowRun:
         else:
             rt.stats.rpcs_primary += 1
             rt.budget.on_primary()
-        replicated = any(u.alternatives.shape[1] > 0 and bool((u.alternatives[:, 0] >= 0).any()) for u in units)
+        replicated = False
+        for u in units:
+            alternatives = u.alternatives
+            if alternatives.shape[1] > 0 and _any(alternatives[:, 0] >= 0):
+                replicated = True
+                break
         delay = rt.tracker.fleet_hedge_delay(shard) if known else rt.tracker.default_delay_s
         hedge_at = now + delay if replicated else math.inf
         call = _Call(shard, units, n_ids, now, hedge_at, is_hedge, counted=known)
-        task = asyncio.ensure_future(rt.transport.lookup(shard, request, timeout))
+        # The loop's create_task (not ensure_future's checks); its done callback wakes
+        # :meth:`_drive` (one callback for the call's life, not one per wait).
+        # start_lookup starts the RPC now (its send goes out at the loop's next turn);
+        # the task only awaits its reply.
+        task = asyncio.get_running_loop().create_task(rt.transport.start_lookup(shard, request, timeout))
+        task.add_done_callback(self._wake)
         self.calls[task] = call
-        self.first_send = min(self.first_send, now)
+        if now < self.first_send:
+            self.first_send = now
 
     def _finish_call(self, call: _Call, *, latency_s: float | None) -> None:
         if call.finished:
             return
         call.finished = True
-        for u in call.units:
-            self.inflight[u.table][u.positions] -= 1
         if self._known(call.shard):
             if call.counted:
                 self.rt.inflight_ids[call.shard] -= call.n_ids
@@ -249,17 +263,19 @@ class WindowRun:
         if call.hedged:
             return
         call.hedged = True
-        live = self.rt.breakers.live(self.rt.clock())
+        live: np.ndarray | None = None  # read once, and only if some row is still open
         groups: dict[int, list[FetchUnit]] = {}
         for u in call.units:
             if u.alternatives.shape[1] == 0:
                 continue
             asm = self.asm[u.table]
             open_rows = asm.got[u.positions] < asm.need[u.positions]
+            if not _any(open_rows):
+                continue
             alts = u.alternatives[open_rows]
             pos = u.positions[open_rows]
-            if pos.size == 0:
-                continue
+            if live is None:
+                live = self.rt.breakers.live(self.rt.clock())
             ok = (alts >= 0) & (alts < live.shape[0]) & np.take(live, np.clip(alts, 0, live.shape[0] - 1))
             has, chosen, rest = first_live(alts, ok)
             for s in np.unique(chosen[has]).tolist():
@@ -300,16 +316,18 @@ class WindowRun:
             rt.breakers.on_success(call.shard)
             if now < call.hedge_at:
                 rt.tracker.on_time(call.shard)
-        self.last_reply = max(self.last_reply, now)
+        if now > self.last_reply:
+            self.last_reply = now
         t0 = time.perf_counter()
+        pooled = self.partial and not call.is_hedge
         try:
             replies = parse_response(
                 response,
                 call.units,
                 self.dims,
                 row_dtype=rt.config.row_dtype,
-                pooled=self.partial and not call.is_hedge,
-                num_bags={t: w.bag_lengths.shape[0] for t, w in self.windows.items()},
+                pooled=pooled,
+                num_bags={t: w.bag_lengths.shape[0] for t, w in self.windows.items()} if pooled else None,
             )
         except Exception as e:  # malformed reply: treat as a non-retryable failure
             self._finish_call(call, latency_s=now - call.sent_at)
@@ -318,20 +336,30 @@ class WindowRun:
             return
         t1 = time.perf_counter()
         rt.stats.serialise_s += t1 - t0
+        near_cache = self.near_cache
         for u, r in zip(call.units, replies):
             asm = self.asm[u.table]
             if r.pooled is not None:
                 if not asm.put_partial(u.positions, r.pooled, r.found, r.not_owned):
                     log.error("shard %d sent a partial sum over rows already pooled; dropped", call.shard)
-            else:
-                assert r.rows is not None
-                asm.put_rows(u.positions, r.rows, u.col_start, u.col_end, r.found, r.not_owned)
-                if u.full_row and u.table in self.cache_slot and self.near_cache is not None:
-                    slot = self.cache_slot[u.table][u.positions]
-                    keep = (slot >= 0) & r.found & ~r.not_owned
-                    if keep.any():
-                        ver = self.cache_version[u.table][u.positions]
-                        self.near_cache.fill(u.table, slot[keep], ver[keep], r.rows[keep], now)
+                continue
+            assert r.rows is not None
+            asm.put_rows(u.positions, r.rows, u.col_start, u.col_end, r.found, r.not_owned)
+            if near_cache is None or u.col_start != 0 or u.col_end != 0:
+                continue
+            cache_slot = self.cache_slot.get(u.table)
+            if cache_slot is None:
+                continue
+            # Rows the cache holds a slot for, found and owned (fill checks each row's
+            # version against the one taken when the window looked it up).
+            slot = cache_slot[u.positions]
+            keep = slot >= 0
+            if not _all(r.found) or _any(r.not_owned):  # the common reply skips both masks
+                keep &= r.found & ~r.not_owned
+            at = keep.nonzero()[0]
+            if at.size:
+                ver = self.cache_version[u.table][u.positions[at]]
+                near_cache.fill(u.table, slot[at], ver, r.rows[at], now)
         rt.stats.scatter_s += time.perf_counter() - t1
         self._finish_call(call, latency_s=now - call.sent_at)
         if response.plan_version > self.plan.version:
@@ -340,15 +368,33 @@ class WindowRun:
     # ---- resolving ---------------------------------------------------------------------
 
     def _settled_callers(self) -> np.ndarray:
-        """bool [C]: callers all of whose rows arrived or have no call outstanding."""
-        unsettled = np.zeros(len(self.callers), dtype=np.int64)
-        for table, w in self.windows.items():
-            asm = self.asm[table]
-            open_rows = (asm.got < asm.need) & (self.inflight[table] > 0)
-            if not open_rows.any():
+        """bool [C]: callers all of whose rows arrived or have no call outstanding.
+
+        A row is open while it is incomplete and some unfinished call carries it. Those
+        rows are marked from the unfinished calls' units here, only when some call is
+        unfinished (after the window's last reply no array is built)."""
+        flying: dict[str, np.ndarray] = {}
+        for call in self.calls.values():
+            if call.finished:
                 continue
-            cum = np.concatenate(([0], np.cumsum(np.take(open_rows, w.inverse))))
-            unsettled += cum[w.id_offsets[1:]] - cum[w.id_offsets[:-1]]
+            for u in call.units:
+                mask = flying.get(u.table)
+                if mask is None:
+                    mask = flying[u.table] = np.zeros(self.asm[u.table].got.shape[0], dtype=bool)
+                mask[u.positions] = True
+        unsettled: np.ndarray | None = None
+        for table, open_rows in flying.items():
+            asm = self.asm[table]
+            open_rows &= asm.got < asm.need
+            if not _any(open_rows):
+                continue
+            w = self.windows[table]
+            cum = np.zeros(w.inverse.shape[0] + 1, dtype=np.int64)
+            open_rows.take(w.inverse).cumsum(out=cum[1:])
+            count = cum[w.id_offsets[1:]] - cum[w.id_offsets[:-1]]
+            unsettled = count if unsettled is None else unsettled + count
+        if unsettled is None:
+            return ~np.zeros(len(self.callers), dtype=bool)
         return unsettled == 0
 
     def _results(self, group: list[int]) -> list[LookupResult]:
@@ -357,7 +403,8 @@ class WindowRun:
         t0 = time.perf_counter()
         results = resolve_callers(self.callers, group, self.windows, self.asm, self.pooling)
         dt = time.perf_counter() - t0
-        if self.partial or all(self.callers[c].pooled for c in group):
+        callers = self.callers
+        if self.partial or all([callers[c].pooled for c in group]):
             self.rt.stats.pool_s += dt
         else:
             self.rt.stats.gather_s += dt
@@ -366,7 +413,8 @@ class WindowRun:
     async def _resolve(self, group: list[int]) -> None:
         """Resolve callers ``group`` through the scheduler. Callers already terminal there
         (cancelled while the window ran) are skipped: nobody waits for their result."""
-        live = [c for c in group if not self.handles[c].done]
+        handles = self.handles
+        live = [c for c in group if handles[c].status not in _TERMINAL]
         self.resolved[group] = True
         if not live:
             return
@@ -376,7 +424,7 @@ class WindowRun:
         stats.missing += sum(missing)
         stats.degraded_callers += len(missing) - missing.count(0)
         # On the loop thread, never the executor; callers cancelled meanwhile are skipped.
-        self._deliver_done([self.handles[c] for c in live], results)
+        self._deliver_done([handles[c] for c in live], results)
 
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         """Run CPU work on the executor for big windows, inline for small ones."""
@@ -396,6 +444,11 @@ class WindowRun:
             for shard, units in by_shard.items():
                 for chunk in chunk_units(units, rt.config.max_ids_per_rpc):
                     self._send(shard, chunk, is_hedge=False)
+            if self.calls:
+                # Yield once: the RPCs (started as each call was made) go out now, before
+                # the window's remaining work, which then overlaps the shards' (issue 9:
+                # ~1 ms from the first send to the wire in the closed loop before).
+                await asyncio.sleep(0)
             await self._drive()
         finally:
             self._cancel_outstanding()
@@ -404,34 +457,64 @@ class WindowRun:
 
     async def _drive(self) -> None:
         rt = self.rt
-        while not self.resolved.all():
+        loop = asyncio.get_running_loop()
+        handles = self.handles
+        n = len(handles)
+        while not _all(self.resolved):
             now = rt.clock()
+            unresolved = ~self.resolved
             # Callers cancelled while the window runs need nothing more: stop waiting for
-            # them (noticed at the window's next wake-up).
-            gone = np.fromiter((h.done for h in self.handles), dtype=bool, count=len(self.handles))
-            ready = np.flatnonzero(~self.resolved & (gone | self._settled_callers() | (self.deadlines <= now)))
+            # them (noticed at the window's next wake-up). Statuses are read in one list
+            # comprehension, no property per caller; all still running is the common case.
+            statuses = [h.status for h in handles]
+            ready_mask = self._settled_callers() | (self.deadlines <= now)
+            if statuses.count(_RUNNING) != n:
+                ready_mask |= np.array([s in _TERMINAL for s in statuses], dtype=bool)
+            ready = (unresolved & ready_mask).nonzero()[0]
             if ready.size:
                 await self._resolve(ready.tolist())
                 continue
             active = [t for t, c in self.calls.items() if not c.finished]
             if not active:  # nothing more can arrive
-                await self._resolve(np.flatnonzero(~self.resolved).tolist())
+                await self._resolve(unresolved.nonzero()[0].tolist())
                 break
-            wake = float(self.deadlines[~self.resolved].min())
+            wake = float(_min(self.deadlines[unresolved]))
             for t in active:
                 c = self.calls[t]
-                if not c.hedged:
-                    wake = min(wake, c.hedge_at)
-            timeout = None if math.isinf(wake) else max(wake - now, 0.0)
-            done, _ = await asyncio.wait(active, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+                if not c.hedged and c.hedge_at < wake:
+                    wake = c.hedge_at
+            done = [t for t in active if t.done()]
+            if not done:
+                # One future, woken by any call's done callback (see _send) or by the
+                # timer: asyncio.wait would add and remove a callback per call per wait.
+                waiter = loop.create_future()
+                self._waiter = waiter
+                timer = None if math.isinf(wake) else loop.call_later(max(wake - now, 0.0), self._wake)
+                try:
+                    await waiter
+                finally:
+                    self._waiter = None
+                    if timer is not None:
+                        timer.cancel()
+                done = [t for t in active if t.done()]
             for t in done:
                 self._on_done(t, self.calls[t])
             now = rt.clock()
-            for t, c in list(self.calls.items()):
+            for t in active:  # hedges sent below join self.calls, not this list
+                c = self.calls[t]
                 if not c.finished and not c.hedged and c.hedge_at <= now:
                     if self._known(c.shard):
                         rt.tracker.on_late(c.shard, now)
                     self._hedge(c, "late")
+
+    # The future :meth:`_drive` waits on while calls are in flight (None otherwise).
+    _waiter: "asyncio.Future[None] | None" = None
+
+    def _wake(self, _task: object = None) -> None:
+        """Wake :meth:`_drive`: a call finished (done callback) or its timer fired."""
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _cancel_outstanding(self) -> None:
         now = self.rt.clock()

@@ -157,11 +157,15 @@ class NearCache:
         if t is None or slot.size == 0:
             return 0
         with self._lock:
-            ok = (slot >= 0) & (np.take(t.version, slot) == version_at_send)
-            s = slot[ok]
-            t.rows[s] = rows[ok]
+            ok = t.version.take(slot) == version_at_send
+            ok &= slot >= 0
+            if np.logical_and.reduce(ok):  # the common fill: no row invalidated meanwhile
+                s, vals = slot, rows
+            else:
+                s, vals = slot[ok], rows[ok]
+            t.rows[s] = vals
             t.fetched_at[s] = now
-            return int(s.size)
+            return int(s.shape[0])
 
     def invalidate(self, table: str, ids: np.ndarray) -> int:
         """Drop ``ids`` and bump their versions (upsert path). Returns how many were held."""

@@ -84,7 +84,7 @@ def build_request(
     for u in units:
         w = windows[u.table]
         tl = add(table=u.table, col_start=u.col_start, col_end=u.col_end)
-        pack_into(tl.ids, np.take(w.unique_ids, u.positions))
+        pack_into(tl.ids, w.unique_ids.take(u.positions))
         if occurrence_bags is not None:
             if u.full_row:
                 idx, off = unit_bags(w, occurrence_bags[u.table], u.positions)

@@ -444,11 +444,6 @@ class WindowRun:
             for shard, units in by_shard.items():
                 for chunk in chunk_units(units, rt.config.max_ids_per_rpc):
                     self._send(shard, chunk, is_hedge=False)
-            if self.calls:
-                # Yield once: the RPCs (started as each call was made) go out now, before
-                # the window's remaining work, which then overlaps the shards' (issue 9:
-                # ~1 ms from the first send to the wire in the closed loop before).
-                await asyncio.sleep(0)
             await self._drive()
         finally:
             self._cancel_outstanding()

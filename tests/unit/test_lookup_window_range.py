@@ -127,3 +127,16 @@ def test_a_window_of_only_bad_callers_fails_them_all_and_sends_nothing() -> None
     assert client.stats.callers_rejected == 3
     # Only the good caller's window reached a shard.
     assert client.stats.windows == 2 and len(fake.calls) - calls_before == len({c.shard for c in fake.calls})
+
+
+def test_ids_that_numpy_cannot_view_are_copied_or_named() -> None:
+    """A tensor ``.numpy()`` refuses with TypeError (sparse, another device: CUDA on a GPU
+    host, meta) takes the general path: copied to a dense CPU array when it has data, a
+    named InvalidArgument when it has none, never a crash."""
+    values = torch.tensor([3, 4, 5]).to_sparse()
+    sparse = KeyedJaggedTensor(keys=["item_id"], values=values, lengths=torch.tensor([3]))
+    caller = _caller(sparse, defer=True)
+    assert np.asarray(caller.tables["item"].ids).tolist() == [3, 4, 5] and caller.n_ids == 3
+    meta = KeyedJaggedTensor(keys=["item_id"], values=torch.empty(3, dtype=torch.int64, device="meta"), lengths=torch.tensor([3]))
+    with pytest.raises(InvalidArgument, match="features.values cannot be read as a CPU array"):
+        _caller(meta, defer=True)

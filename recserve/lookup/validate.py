@@ -54,12 +54,12 @@ _ONE_COUNT: dict[int, np.ndarray] = {}
 
 
 def _one_count(n: int) -> np.ndarray:
-    counts = _ONE_COUNT.get(n)
-    if counts is None:
-        counts = np.array((n,), dtype=np.int64)
-        counts.flags.writeable = False
-        if len(_ONE_COUNT) < 4096:
-            _ONE_COUNT[n] = counts
+    """A new read-only [1] array ``[n]``, kept in ``_ONE_COUNT`` while it has room
+    (callers look there first)."""
+    counts = np.array((n,), dtype=np.int64)
+    counts.flags.writeable = False
+    if len(_ONE_COUNT) < 4096:
+        _ONE_COUNT[n] = counts
     return counts
 
 

@@ -321,8 +321,7 @@ class Scheduler:
             raise InternalError(f"request {handle.request_id}: resolve() needs a running item; it is {status.value}")
         kind = type(outcome)
         if kind is Done:
-            self._answer(handle, outcome.output, now)  # type: ignore[union-attr]
-            self.metrics.completed += 1
+            self.resolve_done((handle,), (outcome.output,), now)  # type: ignore[union-attr]
         elif kind is Failed:
             handle.answered_at = now
             handle.status = ItemStatus.FAILED
@@ -348,7 +347,7 @@ class Scheduler:
                     if status in TERMINAL:
                         continue
                     raise InternalError(f"request {handle.request_id}: resolve() needs a running item; it is {status.value}")
-                # _answer, inlined: this runs for every caller of a lookup window.
+                # The one Done transition (resolve's too), inline: it runs for every caller of a window.
                 handle.answered_at = now
                 handle.status = _DONE
                 handle.output = output
@@ -365,20 +364,6 @@ class Scheduler:
             self.metrics.latency_s.record_many(latencies)
             self.metrics.completed += answered
         return answered
-
-    def _answer(self, handle: Handle, output: Any, now: float) -> None:
-        """A running item's early Done: its answer, the latency sample, its listener."""
-        handle.answered_at = now
-        handle.status = _DONE
-        handle.output = output
-        self.metrics.latency_s.record(now - handle.arrived_at)
-        listener = handle.listener
-        if listener is not None:
-            handle.listener = None
-            try:
-                listener.on_done(handle, output)
-            except Exception:
-                log.exception("listener of request %s failed on done", handle.request_id)
 
     def fail(self, batch: Batch, error: BaseException, now: float) -> None:
         """The runner failed: every item of the batch still running fails with ``error``

@@ -12,7 +12,10 @@ side in one run:
 * closed loop at ``--concurrency`` (C=64) and ``--concurrency-high`` (C=256): the client,
   naive (one RPC per request per shard), Redis MGET per request (the faster of the
   asyncio pool and sync clients on threads), Redis MGET on the client's own
-  deduplicated windows with the same near cache, and in-process TorchRec;
+  deduplicated windows with the same near cache, and in-process TorchRec. At C=64 the
+  client and the Redis modes run in ``--rounds`` interleaved rounds and each C=64 ratio
+  is the median of the rounds' own ratios (``c64_rounds``, ``*_c64_spread``;
+  :mod:`recserve.bench.rounds`): the box's speed drifts by 2x over minutes;
 * open loop: each contender's **knee** (the highest Poisson rate with >= 99% of offered
   requests OK within ``--knee-slo-ms``; :mod:`recserve.bench.knee`), and the client's
   unloaded p50 at ``--unloaded-rate`` (25 req/s);
@@ -51,10 +54,16 @@ from typing import Any
 
 import numpy as np
 
+from recserve.bench.rounds import median_of, median_ratio, ratio_spread, with_ratios
 from recserve.bench.sweep import format_sweep, parse_rates, plot_sweep
 
 MODES = ("feature_parallel", "naive", "redis_mget", "redis_mget_dedup", "torchrec_local")
 SWEEP_MODES = (("feature_parallel", "feature-parallel"), ("naive", "naive"))
+# The C=64 ratios taken within each interleaved round: report key -> (numerator, denominator).
+RATIO_PAIRS = {
+    "speedup_vs_redis_per_request_c64": ("feature_parallel", "redis_mget"),
+    "speedup_vs_redis_dedup_c64": ("feature_parallel", "redis_mget_dedup"),
+}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -66,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bags", type=int, default=8, help="bags (examples) per request; pooled output is [bags, dim] (default 8)")
     p.add_argument("--zipf", type=float, default=1.05, help="Zipf exponent of id popularity (default 1.05)")
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per mode (default 5)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="C=64 closed loop: the client and each Redis mode run in this many interleaved rounds of --seconds / --rounds each; "
+                        "ratios are the median of the rounds' own (default 3)")  # fmt: skip
     p.add_argument("--open-loop-seconds", type=float, default=4.0, help="seconds of the open-loop latency run (default 4)")
     p.add_argument("--rate", type=float, default=None, help="open-loop arrivals per second (default: half the client's closed-loop throughput)")
     p.add_argument("--concurrency-high", type=int, default=256, help="the second closed-loop concurrency (default 256; 0 = skip)")
@@ -116,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot is not None and args.sweep_rates is None:
         raise SystemExit("--plot needs --sweep-rates")
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds = {args.rounds!r} is invalid: use at least 1")
     for flag, value in (("--sweep-seconds", args.sweep_seconds), ("--sweep-timeout-ms", args.sweep_timeout_ms), ("--slo-ms", args.slo_ms)):
         if not value > 0:
             raise SystemExit(f"{flag} = {value!r} is invalid: use a positive number")
@@ -350,21 +364,54 @@ async def _network_modes(
     total = stream.ids.shape[0]
     gc.collect()
     gc.freeze()  # start-up objects (torch, torchrec, the stream) leave the GC's working set
+    redis: _Redis | None = None
     try:
         _log("warm-up")
         await closed_loop(args.concurrency, 1.0, total, fp)
         checks.clear()
+        if redis_proc is not None:
+            redis = _Redis(args, weights, stream, plan, redis_proc)
+            _log("redis warm-up")
+            await redis.warm_up(args.concurrency, min(1.0, args.seconds))
         before = await _shard_counters(client)
         stats0 = dict(client.stats.as_dict())
         hits0, lookups0 = _near(client)
-        _log(f"feature-parallel client, C={args.concurrency}")
-        res = await closed_loop(args.concurrency, args.seconds, total, fp)
+        # Interleaved rounds (recserve.bench.rounds): the client, then each Redis mode, in
+        # turn; ratios are taken within a round, so each compares runs seconds apart.
+        # Redis does not touch the client or the shards: the client's counters below
+        # cover its own segments only.
+        segment_s = args.seconds / args.rounds
+        rounds: list[dict[str, float | None]] = []
+        fp_requests, fp_seconds = 0, 0.0
+        window = 1
+        for r in range(args.rounds):
+            _log(f"round {r + 1}/{args.rounds}: feature-parallel client, C={args.concurrency}")
+            res = await closed_loop(args.concurrency, segment_s, total, fp)
+            fp_requests, fp_seconds = fp_requests + res.requests, fp_seconds + res.seconds
+            entry: dict[str, float | None] = {"feature_parallel": res.rows_per_s(k), "redis_mget": None, "redis_mget_dedup": None}
+            if r == 0:  # Redis's dedup windows hold as many requests as the client's did
+                now = client.stats.as_dict()
+                window = max(1, int(round((now["callers"] - stats0["callers"]) / max(now["windows"] - stats0["windows"], 1))))
+            if redis is not None:
+                got = await redis.measure(args.concurrency, segment_s, window)
+                entry.update(redis_mget=got["per_request"], redis_mget_dedup=got["dedup"], redis_mget_asyncio=got["per_request_asyncio"],
+                             redis_mget_threads=got["per_request_threads"])  # fmt: skip
+            rounds.append(entry)
         after = await _shard_counters(client)
         server_ms = await _server_latency_ms(client)
         stats1 = client.stats.as_dict()
         hits1, lookups1 = _near(client)
-        report["rows_per_s"]["feature_parallel"] = res.rows_per_s(k)
-        fp_req_per_s = res.requests / res.seconds
+        report["c64_rounds"] = with_ratios(rounds, RATIO_PAIRS)
+        for mode in ("feature_parallel", "redis_mget", "redis_mget_dedup"):
+            report["rows_per_s"][mode] = median_of(rounds, mode)
+        report["redis_window_requests"] = window if redis is not None else None
+        report["redis_rows_per_s"] = {}
+        if redis is not None:  # medians over the rounds, under the keys of the C-high entry
+            report["redis_rows_per_s"][str(args.concurrency)] = {
+                "per_request_asyncio": median_of(rounds, "redis_mget_asyncio"), "per_request_threads": median_of(rounds, "redis_mget_threads"),
+                "per_request": median_of(rounds, "redis_mget"), "dedup": median_of(rounds, "redis_mget_dedup"),
+            }  # fmt: skip
+        fp_req_per_s = fp_requests / fp_seconds if fp_seconds > 0 else 0.0
         d = {key: stats1[key] - stats0[key] for key in stats0 if isinstance(stats0[key], (int, float))}
         report["dedup_ratio"] = d["ids_requested"] / d["ids_unique"] if d["ids_unique"] else None
         report["near_cache_hit_rate"] = (hits1 - hits0) / (lookups1 - lookups0) if lookups1 > lookups0 else 0.0
@@ -396,15 +443,13 @@ async def _network_modes(
         _log("naive: one RPC per request per shard")
         naive_transport = GrpcShardTransport(cluster.client_addresses)
         naive = naive_handler(naive_transport, plan, stream, table.dim)
-        redis: dict[str, Any] = {}
         try:
             res = await closed_loop(args.concurrency, args.seconds, total, naive)
             report["rows_per_s"]["naive"] = res.rows_per_s(k)
-            redis = await _redis_modes(args, weights, stream, report["client"]["callers_per_window"], plan, redis_proc)
-            fields = redis.pop("report")
-            report["rows_per_s"].update(fields.pop("rows_per_s", {}))
-            report["rows_per_s_c_high"].update(fields.pop("rows_per_s_c_high", {}))
-            report.update(fields)
+            if redis is not None and args.concurrency_high:
+                high = await redis.measure(args.concurrency_high, args.seconds, window)
+                report["redis_rows_per_s"][str(args.concurrency_high)] = high
+                report["rows_per_s_c_high"].update(redis_mget=high["per_request"], redis_mget_dedup=high["dedup"])
 
             rate = args.rate if args.rate is not None else 0.5 * fp_req_per_s
             _log(f"open loop at {rate:.0f} requests/s")
@@ -424,10 +469,8 @@ async def _network_modes(
             report["knees"] = None
             if not args.no_knees:
                 closed = {name: (v or 0.0) / k for name, v in report["rows_per_s"].items()}  # requests/s closed loop
-                report["knees"] = await _knees(args, client, kjt_of, naive, redis.get("per_request_handler"), closed, total)
+                report["knees"] = await _knees(args, client, kjt_of, naive, None if redis is None else redis.per_request_handler, closed, total)
         finally:
-            if redis.get("close") is not None:
-                await redis["close"]()
             await naive_transport.close()
         if args.sweep_rates is not None:
             from recserve.bench.lookup_modes import client_vs_naive_sweep
@@ -440,6 +483,8 @@ async def _network_modes(
             )  # fmt: skip
         report["reference"] = await _reference(client, weights)
     finally:
+        if redis is not None:
+            await redis.close()
         await client.aclose()
     return report
 
@@ -490,47 +535,48 @@ async def _server_latency_ms(client: Any) -> tuple[float, float]:
     return float(np.median([i.p50_ms for i in infos])), float(np.median([i.p99_ms for i in infos]))
 
 
-async def _redis_modes(args: argparse.Namespace, weights: np.ndarray, stream: Any, callers_per_window: float, plan: Any, redis_proc: Any) -> dict[str, Any]:
-    """Redis MGET per request (best of the asyncio pool and sync clients on threads) and
-    per deduplicated window with the client's near cache, at C and C-high. Returns
-    ``report`` (fields), ``per_request_handler`` (for the knee) and ``close``."""
-    from recserve.bench import lookup_capacity as cap
-    from recserve.bench.lookup_modes import closed_loop, redis_handler
+class _Redis:
+    """The Redis contenders of one run: MGET per request (the faster of the asyncio pool
+    and sync clients on threads) and MGET per deduplicated window of the client's size
+    with the client's near cache. Built once; each :meth:`measure` runs them all."""
 
-    report: dict[str, Any] = {"redis_window_requests": None, "redis_rows_per_s": {}}
-    if redis_proc is None:
-        return {"report": report}
-    import redis.asyncio as aioredis
+    def __init__(self, args: argparse.Namespace, weights: np.ndarray, stream: Any, plan: Any, redis_proc: Any) -> None:
+        import redis.asyncio as aioredis
 
-    k = stream.ids_per_request
-    dim = weights.shape[1]
-    total = stream.ids.shape[0]
-    concurrencies = [c for c in (args.concurrency, args.concurrency_high) if c]
-    r = aioredis.Redis(host="127.0.0.1", port=redis_proc.port, max_connections=max(concurrencies))
-    handler = redis_handler(r, stream, dim)
-    near_ids = np.sort(plan.table(stream.table).hot_ids)  # the client's near cache: the plan's hot ids
-    window = max(1, int(round(callers_per_window)))
-    rows: dict[str, Any] = {}
-    for c in concurrencies:
+        from recserve.bench.lookup_modes import redis_handler
+
+        self.port = redis_proc.port
+        self.weights, self.stream = weights, stream
+        concurrencies = [c for c in (args.concurrency, args.concurrency_high) if c]
+        self.client = aioredis.Redis(host="127.0.0.1", port=redis_proc.port, max_connections=max(concurrencies))
+        self.per_request_handler = redis_handler(self.client, stream, weights.shape[1])
+        self.near_ids = np.sort(plan.table(stream.table).hot_ids)  # the client's near cache: the plan's hot ids
+
+    async def warm_up(self, c: int, seconds: float) -> None:
+        """Open the pool's connections before anything is timed, as the client's warm-up does."""
+        from recserve.bench.lookup_modes import closed_loop
+
+        await closed_loop(c, seconds, self.stream.ids.shape[0], self.per_request_handler)
+
+    async def measure(self, c: int, seconds: float, window: int) -> dict[str, float]:
+        """Rows/s of each mode at concurrency ``c`` for ``seconds`` each, the dedup mode on
+        windows of ``window`` requests."""
+        from recserve.bench import lookup_capacity as cap
+        from recserve.bench.lookup_modes import closed_loop
+
+        stream, k, total = self.stream, self.stream.ids_per_request, self.stream.ids.shape[0]
         _log(f"redis MGET per request, C={c}: asyncio pool")
-        res = await closed_loop(c, args.seconds, total, handler)
-        pool = res.rows_per_s(k)
+        pool = (await closed_loop(c, seconds, total, self.per_request_handler)).rows_per_s(k)
         _log(f"redis MGET per request, C={c}: sync clients on threads")
-        threads = await asyncio.to_thread(cap.redis_threads_closed_loop, redis_proc.port, stream.ids, stream.lengths, dim, c, args.seconds)
-        _log(f"redis MGET per window of {window} requests, near cache of {near_ids.size:,} rows, C={c}")
-        workers = max(1, c // window)
-        wh = cap.redis_near_window_handler(r, stream.ids, stream.lengths, weights, window, near_ids)
-        res = await closed_loop(workers, args.seconds, total // window, wh)
-        rows[c] = {"per_request_asyncio": pool, "per_request_threads": threads, "per_request": max(pool, threads),
-                   "dedup": res.requests * window * k / res.seconds}
-    lo = rows[args.concurrency]
-    report["rows_per_s"] = {"redis_mget": lo["per_request"], "redis_mget_dedup": lo["dedup"]}
-    report["redis_rows_per_s"] = {str(c): v for c, v in rows.items()}
-    report["redis_window_requests"] = window
-    if args.concurrency_high:
-        hi = rows[args.concurrency_high]
-        report["rows_per_s_c_high"] = {"redis_mget": hi["per_request"], "redis_mget_dedup": hi["dedup"]}
-    return {"report": report, "per_request_handler": handler, "close": r.aclose}
+        threads = await asyncio.to_thread(cap.redis_threads_closed_loop, self.port, stream.ids, stream.lengths, self.weights.shape[1], c, seconds)
+        _log(f"redis MGET per window of {window} requests, near cache of {self.near_ids.size:,} rows, C={c}")
+        wh = cap.redis_near_window_handler(self.client, stream.ids, stream.lengths, self.weights, window, self.near_ids)
+        res = await closed_loop(max(1, c // window), seconds, total // window, wh)
+        return {"per_request_asyncio": pool, "per_request_threads": threads, "per_request": max(pool, threads),
+                "dedup": res.requests * window * k / res.seconds}  # fmt: skip
+
+    async def close(self) -> None:
+        await self.client.aclose()
 
 
 async def _reference(client: Any, weights: np.ndarray) -> dict[str, float]:
@@ -577,8 +623,12 @@ def _ratios(report: dict[str, Any]) -> None:
     best_redis = max((v for v in (rows.get("redis_mget"), rows.get("redis_mget_dedup")) if v is not None), default=None)
     report["speedup_vs_naive"] = safe_ratio(fp, rows["naive"])
     report["speedup_vs_redis"] = safe_ratio(fp, best_redis)  # the landed key: the better Redis mode
-    report["speedup_vs_redis_per_request_c64"] = safe_ratio(fp, rows.get("redis_mget"))
-    report["speedup_vs_redis_dedup_c64"] = safe_ratio(fp, rows.get("redis_mget_dedup"))
+    # C=64: the median of the interleaved rounds' own ratios (recserve.bench.rounds), and
+    # their spread; a report without rounds falls back to the ratio of the figures.
+    rounds = report.get("c64_rounds")
+    for key, (num, den) in RATIO_PAIRS.items():
+        report[key] = median_ratio(rounds, num, den) if rounds else safe_ratio(rows.get(num), rows.get(den))
+        report[f"{key}_spread"] = ratio_spread(rounds, num, den) if rounds else None
     report["speedup_vs_redis_per_request_c256"] = safe_ratio(high.get("feature_parallel"), high.get("redis_mget"))
     report["speedup_vs_redis_dedup_c256"] = safe_ratio(high.get("feature_parallel"), high.get("redis_mget_dedup"))
     report["fraction_of_local"] = safe_ratio(fp, rows["torchrec_local"])
@@ -594,6 +644,10 @@ def _ratios(report: dict[str, Any]) -> None:
     report["equal_memory_vs_tiered"] = safe_ratio(fp, tiered)  # goal: <= 2
     if isinstance(report.get("tiered"), dict):  # the best ratio the disk allows (see _tiered)
         report["tiered"]["equal_memory_vs_io_floor"] = safe_ratio(fp, report["tiered"].get("io_floor_rows_per_s"))
+
+
+def _spread(v: list[float] | None) -> str:
+    return "n/a" if not v else f"{v[0]:.2f}-{v[1]:.2f}"
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -614,6 +668,9 @@ def format_report(r: dict[str, Any]) -> str:
     lines += [
         "",
         f"speedup vs naive {f(r['speedup_vs_naive'], '.2f')}   vs redis {f(r['speedup_vs_redis'], '.2f')}   fraction of local {f(r['fraction_of_local'], '.3f')}",
+        f"C={c['concurrency']} vs redis, median of {len(r.get('c64_rounds') or [])} interleaved rounds: per request {f(r['speedup_vs_redis_per_request_c64'], '.2f')} "
+        f"(rounds {_spread(r.get('speedup_vs_redis_per_request_c64_spread'))})   dedup windows {f(r['speedup_vs_redis_dedup_c64'], '.2f')} "
+        f"(rounds {_spread(r.get('speedup_vs_redis_dedup_c64_spread'))})",
         f"dedup ratio {f(r['dedup_ratio'], '.2f')}   near-cache hit rate {f(r['near_cache_hit_rate'], '.3f')}   shard row-cache hit rate {f(r['row_cache_hit_rate'], '.3f')}",
         f"open loop at {f(r['open_loop_rate_per_s'])} req/s: p50 {f(r['p50_ms'], '.2f')} ms  p99 {f(r['p99_ms'], '.2f')} ms  ({r['open_loop_requests']} requests, {r['open_loop_failures']} failed)",
         f"pooled output matches TorchRec: {r['pooled_matches_torchrec']} (max |err| {r['max_abs_err']}, {r['checked_requests']} requests)",

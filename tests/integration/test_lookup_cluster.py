@@ -369,6 +369,11 @@ def test_bench_lookup_runs_end_to_end_small(tmp_path: Path, capsys: pytest.Captu
     assert report["memory_budget_source"].startswith("1.35x") and budget["total_bytes"] == int(1.35 * 4000 * 16 * 4)
     assert 0 < report["recserve_data_bytes"] <= budget["total_bytes"] and report["shard_rss_bytes"] > 0
     assert report["redis_used_memory"] is None and report["speedup_vs_redis_per_request_c64"] is None
+    # C=64 in interleaved rounds (default 3): the client's figure is the rounds' median.
+    rounds = report["c64_rounds"]
+    assert len(rounds) == 3 and all(r["feature_parallel"] > 0 and r["redis_mget"] is None for r in rounds)
+    assert rows["feature_parallel"] == sorted(r["feature_parallel"] for r in rounds)[1]
+    assert report["speedup_vs_redis_per_request_c64_spread"] is None and report["redis_window_requests"] is None
     assert report["rows_per_s_c_high"]["feature_parallel"] > 0
     # Capacity: both knees found by the shared knee finder, their ratio reported.
     knees = report["knees"]

@@ -54,6 +54,7 @@ from typing import Any
 
 import numpy as np
 
+from recserve.bench.lookup_capacity import RedisContenders
 from recserve.bench.rounds import median_of, median_ratio, ratio_spread, with_ratios
 from recserve.bench.sweep import format_sweep, parse_rates, plot_sweep
 
@@ -364,13 +365,13 @@ async def _network_modes(
     total = stream.ids.shape[0]
     gc.collect()
     gc.freeze()  # start-up objects (torch, torchrec, the stream) leave the GC's working set
-    redis: _Redis | None = None
+    redis: RedisContenders | None = None
     try:
         _log("warm-up")
         await closed_loop(args.concurrency, 1.0, total, fp)
         checks.clear()
         if redis_proc is not None:
-            redis = _Redis(args, weights, stream, plan, redis_proc)
+            redis = RedisContenders(redis_proc.port, weights, stream, plan, max(c for c in (args.concurrency, args.concurrency_high) if c), log=_log)
             _log("redis warm-up")
             await redis.warm_up(args.concurrency, min(1.0, args.seconds))
         before = await _shard_counters(client)
@@ -533,50 +534,6 @@ async def _shard_counters(client: Any) -> np.ndarray:
 async def _server_latency_ms(client: Any) -> tuple[float, float]:
     infos = await asyncio.gather(*(client.transport.shard_info(s, 5.0) for s in range(client.plan.num_shards)))
     return float(np.median([i.p50_ms for i in infos])), float(np.median([i.p99_ms for i in infos]))
-
-
-class _Redis:
-    """The Redis contenders of one run: MGET per request (the faster of the asyncio pool
-    and sync clients on threads) and MGET per deduplicated window of the client's size
-    with the client's near cache. Built once; each :meth:`measure` runs them all."""
-
-    def __init__(self, args: argparse.Namespace, weights: np.ndarray, stream: Any, plan: Any, redis_proc: Any) -> None:
-        import redis.asyncio as aioredis
-
-        from recserve.bench.lookup_modes import redis_handler
-
-        self.port = redis_proc.port
-        self.weights, self.stream = weights, stream
-        concurrencies = [c for c in (args.concurrency, args.concurrency_high) if c]
-        self.client = aioredis.Redis(host="127.0.0.1", port=redis_proc.port, max_connections=max(concurrencies))
-        self.per_request_handler = redis_handler(self.client, stream, weights.shape[1])
-        self.near_ids = np.sort(plan.table(stream.table).hot_ids)  # the client's near cache: the plan's hot ids
-
-    async def warm_up(self, c: int, seconds: float) -> None:
-        """Open the pool's connections before anything is timed, as the client's warm-up does."""
-        from recserve.bench.lookup_modes import closed_loop
-
-        await closed_loop(c, seconds, self.stream.ids.shape[0], self.per_request_handler)
-
-    async def measure(self, c: int, seconds: float, window: int) -> dict[str, float]:
-        """Rows/s of each mode at concurrency ``c`` for ``seconds`` each, the dedup mode on
-        windows of ``window`` requests."""
-        from recserve.bench import lookup_capacity as cap
-        from recserve.bench.lookup_modes import closed_loop
-
-        stream, k, total = self.stream, self.stream.ids_per_request, self.stream.ids.shape[0]
-        _log(f"redis MGET per request, C={c}: asyncio pool")
-        pool = (await closed_loop(c, seconds, total, self.per_request_handler)).rows_per_s(k)
-        _log(f"redis MGET per request, C={c}: sync clients on threads")
-        threads = await asyncio.to_thread(cap.redis_threads_closed_loop, self.port, stream.ids, stream.lengths, self.weights.shape[1], c, seconds)
-        _log(f"redis MGET per window of {window} requests, near cache of {self.near_ids.size:,} rows, C={c}")
-        wh = cap.redis_near_window_handler(self.client, stream.ids, stream.lengths, self.weights, window, self.near_ids)
-        res = await closed_loop(max(1, c // window), seconds, total // window, wh)
-        return {"per_request_asyncio": pool, "per_request_threads": threads, "per_request": max(pool, threads),
-                "dedup": res.requests * window * k / res.seconds}  # fmt: skip
-
-    async def close(self) -> None:
-        await self.client.aclose()
 
 
 async def _reference(client: Any, weights: np.ndarray) -> dict[str, float]:

@@ -386,3 +386,47 @@ def format_capacity(r: dict[str, Any]) -> list[str]:
             lines.append(f"{rate:>10,.0f}  " + "  ".join(cells))
     return lines
 
+
+class RedisContenders:
+    """The Redis contenders of one run: MGET per request (the faster of the asyncio pool
+    and sync clients on threads) and MGET per deduplicated window of the client's size
+    with the client's near cache. Built once; each :meth:`measure` runs them all."""
+
+    def __init__(self, port: int, weights: np.ndarray, stream: Any, plan: Any, max_concurrency: int, log: Callable[[str], None] = lambda _msg: None) -> None:
+        """``stream``: the run's :class:`~recserve.bench.lookup_modes.Stream`; ``plan``: its
+        sharding plan (the near cache holds its hot ids); the pool holds
+        ``max_concurrency`` connections; ``log`` gets a line as each mode starts."""
+        import redis.asyncio as aioredis
+
+        from recserve.bench.lookup_modes import redis_handler
+
+        self.port, self.log = port, log
+        self.weights, self.stream = weights, stream
+        self.client = aioredis.Redis(host="127.0.0.1", port=port, max_connections=max_concurrency)
+        self.per_request_handler = redis_handler(self.client, stream, weights.shape[1])
+        self.near_ids = np.sort(plan.table(stream.table).hot_ids)  # the client's near cache: the plan's hot ids
+
+    async def warm_up(self, c: int, seconds: float) -> None:
+        """Open the pool's connections before anything is timed, as the client's warm-up does."""
+        from recserve.bench.lookup_modes import closed_loop
+
+        await closed_loop(c, seconds, self.stream.ids.shape[0], self.per_request_handler)
+
+    async def measure(self, c: int, seconds: float, window: int) -> dict[str, float]:
+        """Rows/s of each mode at concurrency ``c`` for ``seconds`` each, the dedup mode on
+        windows of ``window`` requests."""
+        from recserve.bench.lookup_modes import closed_loop
+
+        stream, k, total = self.stream, self.stream.ids_per_request, self.stream.ids.shape[0]
+        self.log(f"redis MGET per request, C={c}: asyncio pool")
+        pool = (await closed_loop(c, seconds, total, self.per_request_handler)).rows_per_s(k)
+        self.log(f"redis MGET per request, C={c}: sync clients on threads")
+        threads = await asyncio.to_thread(redis_threads_closed_loop, self.port, stream.ids, stream.lengths, self.weights.shape[1], c, seconds)
+        self.log(f"redis MGET per window of {window} requests, near cache of {self.near_ids.size:,} rows, C={c}")
+        wh = redis_near_window_handler(self.client, stream.ids, stream.lengths, self.weights, window, self.near_ids)
+        res = await closed_loop(max(1, c // window), seconds, total // window, wh)
+        return {"per_request_asyncio": pool, "per_request_threads": threads, "per_request": max(pool, threads),
+                "dedup": res.requests * window * k / res.seconds}  # fmt: skip
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -18,7 +18,7 @@ from recserve.config.spec import LookupConfig
 from recserve.lookup.client import LookupClient
 from recserve.scheduling import Done, FeatureParallelConfig, FeatureParallelPolicy, Scheduler
 from recserve.scheduling.admission import AdmissionConfig
-from recserve.scheduling.types import Handle, Priority, WorkItem
+from recserve.scheduling.types import Batch, Handle, Priority, WorkItem
 from tests.unit.test_lookup_client import item_kjt
 from recserve.sharding.plan import Tier
 from tests.unit.test_lookup_fakes import FakeShards, make_config, make_plan, make_weights, tier_ids
@@ -112,7 +112,7 @@ def test_a_window_collects_while_the_previous_one_is_in_flight_and_closes_when_i
     assert third is not None and sorted(h.item.payload for h in third.handles) == [0, 1, 2, 3]
 
 
-def test_a_slow_window_in_flight_holds_the_queue_at_most_max_window_ms_or_twice_its_measured_time() -> None:
+def test_a_slow_window_in_flight_holds_the_queue_until_twice_its_measured_time_not_max_window_ms() -> None:
     sched, _ = make_scheduler(close_at_dispatch=True)
     add(sched, 0, 0.0)
     first = sched.schedule(1e-3)
@@ -123,15 +123,68 @@ def test_a_slow_window_in_flight_holds_the_queue_at_most_max_window_ms_or_twice_
     assert stuck is not None
     add(sched, 2, 6e-3)
     assert sched.schedule(9e-3) is None  # still a plausible window in flight
-    # Twice the measured 3 ms from the slow window's start (10 ms) comes before
-    # max_window_ms after the caller arrived (11 ms): then it goes, beside the slow one.
+    # Twice the measured 3 ms from the slow window's start: 10 ms. Then it goes, beside
+    # the slow one.
     assert sched.next_wakeup(9e-3) == pytest.approx(4e-3 + 2 * 3e-3)
     beside = sched.schedule(10e-3)
     assert beside is not None and [h.item.payload for h in beside.handles] == [2]
-    # With both in flight, a caller waits at most max_window_ms (the last window's
-    # expected end is further away).
+    # With both in flight, a caller waits for the latest window's expected end (16 ms),
+    # past max_window_ms after it arrived (15.5 ms): a window in flight is not cut
+    # short by the cap, or every window would run beside another under open load.
     add(sched, 3, 10.5e-3)
-    assert sched.next_wakeup(10.5e-3) == pytest.approx(10.5e-3 + MAX_WINDOW_MS / 1e3)
+    assert sched.next_wakeup(10.5e-3) == pytest.approx(10e-3 + 2 * 3e-3)
+    assert sched.schedule(15.6e-3) is None
+
+
+def open_loop(service_s: float, gap_s: float, callers: int) -> tuple[list[int], int]:
+    """Callers arriving every ``gap_s`` while each window takes ``service_s`` of fake time,
+    after one measured window. Returns each window's size and how many windows started
+    while another was in flight."""
+    sched, _ = make_scheduler(close_at_dispatch=True)
+    add(sched, -1, 0.0)
+    first = sched.schedule(WINDOW_MS / 1e3)
+    assert first is not None
+    now = WINDOW_MS / 1e3 + service_s
+    sched.complete(first, [Done(None)], now)
+    arrivals = [now + gap_s * (i + 1) for i in range(callers)]
+    running: list[tuple[float, Batch]] = []  # (ends at, window)
+    sizes: list[int] = []
+    beside, i = 0, 0
+    while i < len(arrivals) or running:
+        wake = sched.next_wakeup(now)
+        now = min([t for t in (arrivals[i] if i < len(arrivals) else None, wake, *(end for end, _ in running)) if t is not None])
+        for end, batch in sorted((r for r in running if r[0] <= now), key=lambda r: r[0]):
+            running.remove((end, batch))
+            sched.complete(batch, [Done(None)] * len(batch), end)
+        while i < len(arrivals) and arrivals[i] <= now:
+            add(sched, i, arrivals[i])
+            i += 1
+        while (batch := sched.schedule(now)) is not None:
+            beside += bool(running)
+            sizes.append(len(batch))
+            running.append((now + service_s, batch))
+    return sizes, beside
+
+
+def test_open_loop_arrivals_wait_for_the_window_in_flight_instead_of_running_beside_it() -> None:
+    """Windows take 8 ms, longer than max_window_ms (5 ms), and a caller arrives every
+    0.7 ms: each window waits for the one in flight and takes every caller that arrived
+    meanwhile (11-12 of them), none runs beside another. With the cap, a window went
+    beside every window in flight 5 ms after its first caller."""
+    sizes, beside = open_loop(service_s=8e-3, gap_s=0.7e-3, callers=120)
+    assert sum(sizes) == 120 and beside == 0
+    assert min(sizes[1:-1]) >= 10  # full windows between the first and the tail
+    # A window in flight past twice its expected time no longer holds the queue.
+    sched, _ = make_scheduler(close_at_dispatch=True)
+    add(sched, 0, 0.0)
+    first = sched.schedule(WINDOW_MS / 1e3)
+    assert first is not None
+    sched.complete(first, [Done(None)], 9e-3)  # measured: 8 ms
+    add(sched, 1, 9e-3)
+    stuck = sched.schedule(9e-3)
+    assert stuck is not None
+    add(sched, 2, 9.5e-3)
+    assert sched.next_wakeup(9.5e-3) == pytest.approx(9e-3 + 2 * 8e-3)
 
 
 @pytest.mark.parametrize("close_at_dispatch", [True, False])

@@ -88,6 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-tiered", action="store_true", help="skip the tiered (RocksDB, direct reads) run")
     p.add_argument("--no-knees", action="store_true", help="skip the knee searches (knee fields null)")
     p.add_argument("--knee-seconds", type=float, default=1.5, help="seconds of each knee probe (default 1.5)")
+    p.add_argument("--knee-settle-after-fail-s", type=float, default=2.0,
+                   help="pause before the probe that follows a failed one (default 2 s; 0.5 s after a passed one): an overloaded probe leaves a backlog")  # fmt: skip
     p.add_argument("--knee-slo-ms", type=float, default=20.0, help="a request is OK if answered, not degraded, within this (default 20 ms)")
     p.add_argument("--fail-retries", type=int, default=1,
                    help="knee search: re-probe a failed rate this many times; it fails only if every try fails (default 1, as bench rank: one stall of the shared box must not set a knee)")
@@ -129,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot is not None and args.sweep_rates is None:
         raise SystemExit("--plot needs --sweep-rates")
+    if not args.knee_settle_after_fail_s >= 0:
+        raise SystemExit(f"--knee-settle-after-fail-s = {args.knee_settle_after_fail_s!r} is invalid: use seconds >= 0")
     if args.rounds < 1:
         raise SystemExit(f"--rounds = {args.rounds!r} is invalid: use at least 1")
     for flag, value in (("--sweep-seconds", args.sweep_seconds), ("--sweep-timeout-ms", args.sweep_timeout_ms), ("--slo-ms", args.slo_ms)):
@@ -246,7 +250,7 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "seconds_per_mode": args.seconds, "row_cache_bytes_per_shard": row_cache_bytes, "window_ms": lookup_cfg.window_ms,
         "max_window_ms": lookup_cfg.max_window_ms, "close_at_dispatch": lookup_cfg.close_at_dispatch,
         "grpc_experiments": lookup_cfg.grpc_experiments, "hot_rows": int(t.hot_ids.size), "warm_rows": int(t.warm_ids.size),
-        "cold_rows": t.num_cold, "column_splits": t.column_splits, "knee_seconds": args.knee_seconds, "knee_slo_ms": args.knee_slo_ms, "knee_fail_retries": args.fail_retries,
+        "cold_rows": t.num_cold, "column_splits": t.column_splits, "knee_seconds": args.knee_seconds, "knee_settle_after_fail_s": args.knee_settle_after_fail_s, "knee_slo_ms": args.knee_slo_ms, "knee_fail_retries": args.fail_retries,
         "tiered_fraction": args.tiered_fraction, "unix_sockets": not args.tcp,
     }  # fmt: skip
     if args.sweep_rates is not None:
@@ -516,7 +520,8 @@ async def _knees(args: argparse.Namespace, client: Any, kjt_of: Any, naive: Any,
         hi = max(4.0 * 25.0, 1.5 * closed_req_per_s.get(name, 0.0))
         _log(f"knee of {name} (bisection in [{25:g}, {hi:,.0f}] req/s, {args.knee_seconds:g} s probes)")
         gc.collect()
-        out[name] = await cap.knee_of(handle, lo_rps=25.0, hi_rps=hi, seconds=args.knee_seconds, total=total, slo_s=slo_s, seed=args.seed + 100 * (j + 1), fail_retries=args.fail_retries)
+        out[name] = await cap.knee_of(handle, lo_rps=25.0, hi_rps=hi, seconds=args.knee_seconds, total=total, slo_s=slo_s, seed=args.seed + 100 * (j + 1),
+                                      settle_after_fail_s=args.knee_settle_after_fail_s, fail_retries=args.fail_retries)  # fmt: skip
     return out
 
 

@@ -28,7 +28,7 @@ from typing import Any, cast
 import numpy as np
 
 from recserve.bench.arrivals import poisson_arrivals
-from recserve.bench.knee import ProbeResult, find_knee_async
+from recserve.bench.knee import OK_TARGET, ProbeResult, find_knee_async
 
 #: ``handle(i, deadline)`` serves request i by ``deadline`` (monotonic s); returns False
 #: for a degraded answer; raises for none.
@@ -231,25 +231,32 @@ async def probe(rate_per_s: float, seconds: float, total: int, handle: Handler, 
 
 async def knee_of(
     handle: Handler, *, lo_rps: float, hi_rps: float, seconds: float, total: int, slo_s: float, seed: int, settle_s: float = 0.5,
-    fail_retries: int = 0,
+    settle_after_fail_s: float = 2.0, fail_retries: int = 0,
 ) -> dict[str, Any]:
     """The knee of one contender (:func:`~recserve.bench.knee.find_knee_async`), with
     every probe's p99 (``curve``: [(rate, p99_ms)] in probe order); each probe after the
-    first starts ``settle_s`` after the previous one ended."""
+    first starts ``settle_s`` after the previous one ended, ``settle_after_fail_s`` after
+    one that failed (an overloaded probe leaves the most behind)."""
     curve: list[tuple[float, float | None]] = []
     count = 0
+    failed = False
 
     async def run(rate: float) -> ProbeResult:
-        nonlocal count
+        nonlocal count, failed
         if count:
             # Let the previous probe's work drain first: right after an overloaded probe
             # the shards still answer its abandoned RPCs, and a probe started then
             # measures that backlog instead of its own rate (naive at 500 req/s right
             # after 10,000: 61-82 % OK, and 90-92 % after a 1 s pause; the client's 517
-            # req/s probe after one at 10,687 read 81 %).
-            await asyncio.sleep(settle_s)
+            # req/s probe after one at 10,687 read 81 %). 0.5 s was not always enough
+            # after the first, deepest overload (hi_rps, ≈ 15k req/s): the client's
+            # 614 req/s probe after it read 97.3 % and 99.0 % OK, its 599 passed at
+            # 100 %, and the knee came out at 599 (issue 9, eighth session; 100 % after
+            # a 1 s pause, 96.8 % with none). A failed probe gets the longer pause.
+            await asyncio.sleep(settle_after_fail_s if failed else settle_s)
         count += 1
         result, p99 = await probe(rate, seconds, total, handle, slo_s=slo_s, seed=seed + count)
+        failed = result.ok_fraction < OK_TARGET
         curve.append((rate, p99))
         return result
 

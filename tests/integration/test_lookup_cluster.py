@@ -347,7 +347,7 @@ def test_bench_lookup_runs_end_to_end_small(tmp_path: Path, capsys: pytest.Captu
         ["--items", "4000", "--dim", "16", "--shards", "2", "--concurrency", "8", "--ids-per-request", "16", "--bags", "4",
          "--seconds", "0.3", "--open-loop-seconds", "0.3", "--rate", "100", "--stream-requests", "3000", "--prebuilt-kjts", "200",
          "--check-requests", "50", "--no-redis", "--workdir", str(tmp_path), "--json",
-         "--concurrency-high", "16", "--knee-seconds", "0.2", "--unloaded-seconds", "0.3", "--capacity-plot", str(tmp_path / "cap.png")]
+         "--concurrency-high", "16", "--knee-seconds", "0.2", "--knee-settle-after-fail-s", "0.3", "--unloaded-seconds", "0.3", "--capacity-plot", str(tmp_path / "cap.png")]
     )  # fmt: skip
     threads = torch.get_num_threads()
     try:
@@ -378,6 +378,7 @@ def test_bench_lookup_runs_end_to_end_small(tmp_path: Path, capsys: pytest.Captu
     # Capacity: both knees found by the shared knee finder, their ratio reported.
     knees = report["knees"]
     assert set(knees) == {"feature_parallel", "naive"} and all(k["probes"] and k["curve"] for k in knees.values())
+    assert report["config"]["knee_settle_after_fail_s"] == 0.3
     if knees["naive"]["knee_per_s"] and knees["feature_parallel"]["knee_per_s"]:
         assert report["knee_ratio_vs_naive"] == pytest.approx(knees["feature_parallel"]["knee_per_s"] / knees["naive"]["knee_per_s"])
     assert report["knee_ratio_vs_redis"] is None

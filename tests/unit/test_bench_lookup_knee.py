@@ -36,12 +36,18 @@ def test_each_knee_probe_starts_a_settle_pause_after_the_previous_one_ended() ->
 
     cap.probe = probe  # type: ignore[assignment]
     try:
-        out = asyncio.run(cap.knee_of(handle, lo_rps=200.0, hi_rps=1600.0, seconds=0.1, total=10_000, slo_s=0.02, seed=1, settle_s=0.05))
+        out = asyncio.run(cap.knee_of(handle, lo_rps=200.0, hi_rps=1600.0, seconds=0.1, total=10_000, slo_s=0.02, seed=1, settle_s=0.05,
+                                      settle_after_fail_s=0.2))  # fmt: skip
     finally:
         cap.probe = real_probe  # type: ignore[assignment]
     assert len(out["probes"]) >= 3 and len(spans) == len(out["probes"])
-    # Every probe after the first began at least settle_s after the previous one's last answer.
-    assert all(spans[k][0] - spans[k - 1][1] >= 0.05 for k in range(1, len(spans)))
+    # Every probe after the first began at least settle_s after the previous one's last
+    # answer, and settle_after_fail_s after one that failed (the overloaded hi_rps first).
+    failed = [not p["passed"] for p in out["probes"]]
+    assert failed[1] and any(not f for f in failed)
+    gaps = [spans[k][0] - spans[k - 1][1] for k in range(1, len(spans))]
+    assert all(g >= (0.2 if failed[k - 1] else 0.05) for k, g in enumerate(gaps, start=1))
+    assert any(g < 0.2 for k, g in enumerate(gaps, start=1) if not failed[k - 1])  # a passed probe gets the short pause
     assert out["knee_per_s"] is not None and out["knee_per_s"] <= capacity  # rates above it answered late: failed
 
 

@@ -18,9 +18,9 @@ is done and the slot is free: no timer. It still closes early at ``max_cost`` id
 the tightest caller's slack point, or once the window in flight has taken twice its
 expected time (a stuck window must not hold the queue: the next one then runs beside
 it). Not after ``max_window_ms``: windows in flight take longer than that, and a cap
-that starts the next window beside every one of them makes all of them slower. An RPC costs hundreds of
-µs whatever its size, so few large windows win: splitting a closed loop's callers into
-two alternating windows costs 10-25% of throughput.
+that starts the next window beside every one of them makes all of them slower. An RPC
+costs hundreds of µs whatever its size, so few large windows win: splitting a closed
+loop's callers into two alternating windows costs 10-25% of throughput.
 """
 
 from __future__ import annotations

@@ -172,6 +172,21 @@ def _same(a: LookupResult, b: LookupResult) -> None:
         assert torch.equal(a.rows[f], b.rows[f]) and torch.equal(a.lengths[f], b.lengths[f])
 
 
+def _arrive_window(
+    rng: np.random.Generator, callers: list[CallerLookup], *, partial_arrivals: bool
+) -> tuple[dict[str, TableWindow], dict[str, TableAssembly], dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(windows, asm, tables, nf, missing_rows) per table of ``callers``' merged window
+    whose rows arrived as :func:`_arrive` makes them; ``missing_rows[t]`` bool [rows]
+    marks the rows that never arrived."""
+    windows = merge_window(callers, ROWS)
+    asm, tables, nf, missing_rows = {}, {}, {}, {}
+    for t, w in windows.items():
+        asm[t], tables[t], nf[t] = _arrive(rng, w, DIMS[t], partial_arrivals=partial_arrivals)
+        missing_rows[t] = np.zeros(ROWS[t], bool)
+        missing_rows[t][w.unique_ids[~asm[t].complete()]] = True
+    return windows, asm, tables, nf, missing_rows
+
+
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("pooled", [True, False, None], ids=["pooled", "unpooled", "mixed"])
 @pytest.mark.parametrize("partial_arrivals", [False, True], ids=["all-arrived", "partial-arrivals"])
@@ -180,12 +195,7 @@ def test_every_grouping_of_a_random_window_equals_the_oracle(seed: int, pooled: 
     # Seeds 0-1: one-feature callers of one table (the fast path's own shape); others mixed.
     keys = ["item_id"] if seed < 2 else None
     callers = _callers(rng, int(rng.integers(1, 13)), pooled=pooled, keys=keys)
-    windows = merge_window(callers, ROWS)
-    asm, tables, nf, missing_rows = {}, {}, {}, {}
-    for t, w in windows.items():
-        asm[t], tables[t], nf[t] = _arrive(rng, w, DIMS[t], partial_arrivals=partial_arrivals)
-        missing_rows[t] = np.zeros(ROWS[t], bool)
-        missing_rows[t][w.unique_ids[~asm[t].complete()]] = True
+    windows, asm, tables, nf, missing_rows = _arrive_window(rng, callers, partial_arrivals=partial_arrivals)
     if partial_arrivals:  # the window really exercises the missing-row paths
         assert any(m.any() for m in missing_rows.values())
     ebc = _ebc({t: tables.get(t, np.zeros((ROWS[t], DIMS[t]), np.float32)) for t in ROWS})

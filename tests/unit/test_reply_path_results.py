@@ -19,20 +19,14 @@ import torch
 from recserve.lookup import reassemble
 from recserve.lookup.reassemble import resolve_callers
 from recserve.lookup.types import CallerLookup, LookupResult
-from recserve.lookup.window import merge_window
-from tests.unit.test_reassemble_fast import DIMS, POOLING, ROWS, _arrive, _callers, _check_oracle, _ebc, _same
+from tests.unit.test_reassemble_fast import DIMS, POOLING, ROWS, _arrive_window, _callers, _check_oracle, _ebc, _same
 
 
 def _resolve(callers: list[CallerLookup], group: list[int], rng: np.random.Generator, *, partial_arrivals: bool = False) -> tuple[list[LookupResult], list[LookupResult], int]:
     """(results, the general loop's results from the same pieces, times the lean path
-    ran) for ``group`` of a window whose rows arrived as ``_arrive`` makes them; every
+    ran) for ``group`` of a window whose rows arrived as ``_arrive_window`` makes them; every
     result is checked against the TorchRec oracle."""
-    windows = merge_window(callers, ROWS)
-    asm, tables, nf, missing_rows = {}, {}, {}, {}
-    for t, w in windows.items():
-        asm[t], tables[t], nf[t] = _arrive(rng, w, DIMS[t], partial_arrivals=partial_arrivals)
-        missing_rows[t] = np.zeros(ROWS[t], bool)
-        missing_rows[t][w.unique_ids[~asm[t].complete()]] = True
+    windows, asm, tables, nf, missing_rows = _arrive_window(rng, callers, partial_arrivals=partial_arrivals)
     lean = reassemble._single_feature_results
     general: list[LookupResult] = []
     calls = 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,18 +44,28 @@ LAYOUT: TableLayout = layouts_from_plan(make_plan(), SHARD)["item"]
 DELETED = np.array([int(LAYOUT.hot_ids[3]), int(LAYOUT.warm[0].ids[2]), int(LAYOUT.cold_ids[-1]), int(LAYOUT.cold_ids[4])])
 
 
-def make_core(tmp_path: Path, name: str, tier_dtype: RowDType, *, dense: bool, monkeypatch: pytest.MonkeyPatch) -> ShardCore:
-    plan = make_plan()
+def loaded_core(
+    path: Path, plan: ShardingPlan, src: np.ndarray, deleted: np.ndarray, tier_dtype: RowDType, *, dense: bool, monkeypatch: pytest.MonkeyPatch, **core: Any
+) -> ShardCore:
+    """Shard ``SHARD`` of ``plan`` over a RocksDB at ``path`` bulk-loaded with ``src``
+    (fp32 [rows, DIM] of table "item"), less the owned ids ``deleted`` (owned but
+    missing); ``dense`` False forces the sorted (non-dense) index; ``core``: the rest of
+    :class:`ShardCore`'s keywords."""
     layouts = layouts_from_plan(plan, SHARD)
-    store = RowStore(tmp_path / name, {"item": DIM})
-    bulk_load(store, layouts, {"item": SRC.copy()}, source_id="s", plan_version=plan.version, shard_id=SHARD, progress=False)
-    for i in DELETED:
+    store = RowStore(path, {"item": DIM})
+    bulk_load(store, layouts, {"item": src.copy()}, source_id="s", plan_version=plan.version, shard_id=SHARD, progress=False)
+    for i in deleted:
         store._cfs["item"].delete(int(i).to_bytes(8, "big"))  # noqa: SLF001  (owned but missing)
     with monkeypatch.context() as m:
         if not dense:
             m.setattr(table_mod, "DENSE_INDEX_MAX_BYTES", 0)
-        # row cache smaller than the cold ids: requests mix cache hits and RocksDB reads
-        return ShardCore(SHARD, plan.version, store, layouts, tier_dtype=tier_dtype, row_cache_bytes=40 * DIM * 4, max_ids_per_rpc=100_000, default_value=DEFAULT)
+        return ShardCore(SHARD, plan.version, store, layouts, tier_dtype=tier_dtype, **core)
+
+
+def make_core(tmp_path: Path, name: str, tier_dtype: RowDType, *, dense: bool, monkeypatch: pytest.MonkeyPatch) -> ShardCore:
+    # row cache smaller than the cold ids: requests mix cache hits and RocksDB reads
+    return loaded_core(tmp_path / name, make_plan(), SRC, DELETED, tier_dtype, dense=dense, monkeypatch=monkeypatch,
+                       row_cache_bytes=40 * DIM * 4, max_ids_per_rpc=100_000, default_value=DEFAULT)  # fmt: skip
 
 
 @pytest.fixture(params=[RowDType.FLOAT32, RowDType.FLOAT16], ids=lambda d: f"tiers-{d.value}")

@@ -17,36 +17,24 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import embedding_server.table as table_mod
-from embedding_server.bulk_load import bulk_load
 from embedding_server.layout import TableLayout, layouts_from_plan
 from embedding_server.quant import RowDType
 from embedding_server.shard import LookupOutcome, ShardCore
-from embedding_server.store import RowStore
 from recserve.errors import DeadlineExceeded, RecserveError
 from recserve.lookup.route import ShardState, route_window
 from recserve.lookup.wire import build_request
 from recserve.lookup.window import TableWindow
 from recserve.rpc.deadline import make_header
 from recserve.rpc.tensors import pack, unpack
-from recserve.sharding.plan import ShardingPlan, TablePlan, Tier
+from recserve.sharding.plan import Tier
 from recserve.v1 import common_pb2, embedding_pb2
+from tests.unit.test_shard_badinput import DIM, ROWS, SHARD, FakeClock, make_plan
+from tests.unit.test_shard_fast_path import loaded_core
 
-ROWS, DIM, SHARD, DEFAULT = 1500, 10, 1, -0.5
+# The bad-input tests' world (DIM, ROWS, SHARD, make_plan): 1,500 x 10 rows, 15 hot ids on
+# 2 replicas, 150 warm ids in 2 column slices, the rest cold; this is shard 1 of 3.
+DEFAULT = -0.5
 SRC = np.random.default_rng(17).standard_normal((ROWS, DIM)).astype(np.float32)
-
-
-class FakeClock:
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_plan() -> ShardingPlan:
-    table = TablePlan(name="item", rows=ROWS, dim=DIM, hot_ids=np.arange(15), warm_ids=np.arange(15, 165), hot_replicas=2, column_splits=2, cold_replicas=1)
-    return ShardingPlan(version=4, num_shards=3, tables={"item": table})
 
 
 LAYOUT: TableLayout = layouts_from_plan(make_plan(), SHARD)["item"]
@@ -55,19 +43,9 @@ DELETED = np.array([int(LAYOUT.hot_ids[2]), int(LAYOUT.warm[0].ids[1]), int(LAYO
 
 
 def make_core(path: Path, tier_dtype: RowDType, *, dense: bool, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> ShardCore:
-    plan = make_plan()
-    layouts = layouts_from_plan(plan, SHARD)
-    store = RowStore(path, {"item": DIM})
-    bulk_load(store, layouts, {"item": SRC.copy()}, source_id="s", plan_version=plan.version, shard_id=SHARD, progress=False)
-    for i in DELETED:
-        store._cfs["item"].delete(int(i).to_bytes(8, "big"))  # noqa: SLF001  (owned but missing)
-    with monkeypatch.context() as m:
-        if not dense:
-            m.setattr(table_mod, "DENSE_INDEX_MAX_BYTES", 0)
-        # A row cache smaller than the cold ids: requests mix hits, misses and evictions.
-        return ShardCore(
-            SHARD, plan.version, store, layouts, tier_dtype=tier_dtype, row_cache_bytes=60 * DIM * 4, max_ids_per_rpc=2_000, default_value=DEFAULT, clock=clock
-        )
+    # A row cache smaller than the cold ids: requests mix hits, misses and evictions.
+    return loaded_core(path, make_plan(), SRC, DELETED, tier_dtype, dense=dense, monkeypatch=monkeypatch,
+                       row_cache_bytes=60 * DIM * 4, max_ids_per_rpc=2_000, default_value=DEFAULT, clock=clock)  # fmt: skip
 
 
 @pytest.fixture

@@ -58,12 +58,17 @@ from recserve.bench.lookup_capacity import RedisContenders
 from recserve.bench.rounds import median_of, median_ratio, ratio_spread, with_ratios
 from recserve.bench.sweep import format_sweep, parse_rates, plot_sweep
 
-MODES = ("feature_parallel", "naive", "redis_mget", "redis_mget_dedup", "torchrec_local")
+MODES = ("feature_parallel", "naive", "redis_mget", "redis_mget_dedup", "torchrec_local", "bare_ceiling")
 SWEEP_MODES = (("feature_parallel", "feature-parallel"), ("naive", "naive"))
 # The C=64 ratios taken within each interleaved round: report key -> (numerator, denominator).
 RATIO_PAIRS = {
     "speedup_vs_redis_per_request_c64": ("feature_parallel", "redis_mget"),
     "speedup_vs_redis_dedup_c64": ("feature_parallel", "redis_mget_dedup"),
+    # The bare ceiling (recserve.bench.bare): what the design reaches here with nothing
+    # but its physics, in the same rounds; the goals' ratios are bounded by these.
+    "bare_vs_redis_per_request_c64": ("bare_ceiling", "redis_mget"),
+    "bare_vs_redis_dedup_c64": ("bare_ceiling", "redis_mget_dedup"),
+    "client_vs_bare_c64": ("feature_parallel", "bare_ceiling"),
 }
 
 
@@ -108,6 +113,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-inflight", type=int, default=4, help="windows in flight (lookup.max_inflight_batches, default 4)")
     p.add_argument("--check-requests", type=int, default=2000, help="client results kept for the TorchRec check (default 2000)")
     p.add_argument("--no-redis", action="store_true", help="skip the Redis modes (fields null)")
+    p.add_argument("--no-bare", action="store_true", help="skip the bare ceiling contender in the C=64 rounds (fields null)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workdir", default=None, help="keep shard data here (default: a temp dir, removed)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -228,7 +234,17 @@ def _run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         t0 = time.perf_counter()
         with ShardCluster(workdir / "plan.json", workdir / "data", load_from=workdir, server=server, env=env, unix_sockets=not args.tcp) as cluster:
             _log(f"shards SERVING after {time.perf_counter() - t0:.1f} s")
-            report.update(asyncio.run(_network_modes(args, plan, table, feature, weights, stream, cluster, lookup_cfg, near_rows, redis_proc)))
+            bare = None
+            if not args.no_bare:
+                from recserve.bench.bare import BareCeiling
+
+                bare = BareCeiling(workdir / "item.npy", num_shards=args.shards, workdir=workdir, env=env)
+                bare.start()
+            try:
+                report.update(asyncio.run(_network_modes(args, plan, table, feature, weights, stream, cluster, lookup_cfg, near_rows, redis_proc, bare)))
+            finally:
+                if bare is not None:
+                    bare.stop()
             rss = [cap.rss_bytes(cluster.pid(s)) for s in range(args.shards)]
             report["shard_rss_bytes"] = None if None in rss else int(sum(r for r in rss if r is not None))
         if not args.no_tiered:
@@ -342,7 +358,7 @@ def _make_client(args: argparse.Namespace, plan: Any, table: Any, feature: Any, 
 
 async def _network_modes(
     args: argparse.Namespace, plan: Any, table: Any, feature: Any, weights: np.ndarray, stream: Any, cluster: Any,
-    lookup_cfg: Any, near_rows: int, redis_proc: Any,
+    lookup_cfg: Any, near_rows: int, redis_proc: Any, bare: Any = None,
 ) -> dict[str, Any]:
     from recserve.bench import lookup_capacity as cap
     from recserve.bench.lookup_modes import closed_loop, make_kjt, naive_handler, open_loop
@@ -387,13 +403,14 @@ async def _network_modes(
         # cover its own segments only.
         segment_s = args.seconds / args.rounds
         rounds: list[dict[str, float | None]] = []
+        bare_checks: dict[int, np.ndarray] = {}
         fp_requests, fp_seconds = 0, 0.0
         window = 1
         for r in range(args.rounds):
             _log(f"round {r + 1}/{args.rounds}: feature-parallel client, C={args.concurrency}")
             res = await closed_loop(args.concurrency, segment_s, total, fp)
             fp_requests, fp_seconds = fp_requests + res.requests, fp_seconds + res.seconds
-            entry: dict[str, float | None] = {"feature_parallel": res.rows_per_s(k), "redis_mget": None, "redis_mget_dedup": None}
+            entry: dict[str, float | None] = {"feature_parallel": res.rows_per_s(k), "redis_mget": None, "redis_mget_dedup": None, "bare_ceiling": None}
             if r == 0:  # Redis's dedup windows hold as many requests as the client's did
                 now = client.stats.as_dict()
                 window = max(1, int(round((now["callers"] - stats0["callers"]) / max(now["windows"] - stats0["windows"], 1))))
@@ -401,14 +418,19 @@ async def _network_modes(
                 got = await redis.measure(args.concurrency, segment_s, window)
                 entry.update(redis_mget=got["per_request"], redis_mget_dedup=got["dedup"], redis_mget_asyncio=got["per_request_asyncio"],
                              redis_mget_threads=got["per_request_threads"])  # fmt: skip
+            if bare is not None:
+                _log(f"bare ceiling (raw-bytes shards, numpy client), C={args.concurrency}")
+                entry["bare_ceiling"], got_bare = await bare.closed_loop(stream.ids, stream.lengths, concurrency=args.concurrency, seconds=segment_s, check=range(args.check_requests))
+                bare_checks.update(got_bare)
             rounds.append(entry)
         after = await _shard_counters(client)
         server_ms = await _server_latency_ms(client)
         stats1 = client.stats.as_dict()
         hits1, lookups1 = _near(client)
         report["c64_rounds"] = with_ratios(rounds, RATIO_PAIRS)
-        for mode in ("feature_parallel", "redis_mget", "redis_mget_dedup"):
+        for mode in ("feature_parallel", "redis_mget", "redis_mget_dedup", "bare_ceiling"):
             report["rows_per_s"][mode] = median_of(rounds, mode)
+        report["bare_matches_oracle"] = _bare_check(weights, stream, bare_checks) if bare is not None else None
         report["redis_window_requests"] = window if redis is not None else None
         report["redis_rows_per_s"] = {}
         if redis is not None:  # medians over the rounds, under the keys of the C-high entry
@@ -575,6 +597,21 @@ def _check(ebc: Any, stream: Any, checks: dict[int, np.ndarray]) -> dict[str, An
     return {"pooled_matches_torchrec": worst == 0.0, "max_abs_err": worst, "checked_requests": int(idx.size)}
 
 
+def _bare_check(weights: np.ndarray, stream: Any, checks: dict[int, np.ndarray]) -> bool | None:
+    """Whether the bare ceiling's pooled sums [B, D] equal the bags' fp64 sums of the
+    weights (to fp32 rounding): it must do the work it is timed for. None: no request
+    of the checked range was served while timed."""
+    if not checks:
+        return None
+    starts = np.concatenate(([0], np.cumsum(stream.lengths)))
+    for i, got in checks.items():
+        rows = weights[stream.ids[i]].astype(np.float64)
+        want = np.stack([rows[a:b].sum(axis=0) for a, b in zip(starts[:-1], starts[1:])])
+        if got.shape != want.shape or not np.allclose(got, want, rtol=1e-5, atol=1e-4):
+            return False
+    return True
+
+
 def _ratios(report: dict[str, Any]) -> None:
     """The issue's ratios under explicit names (None where a side was not measured)."""
     from recserve.bench.lookup_modes import safe_ratio
@@ -633,6 +670,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"C={c['concurrency']} vs redis, median of {len(r.get('c64_rounds') or [])} interleaved rounds: per request {f(r['speedup_vs_redis_per_request_c64'], '.2f')} "
         f"(rounds {_spread(r.get('speedup_vs_redis_per_request_c64_spread'))})   dedup windows {f(r['speedup_vs_redis_dedup_c64'], '.2f')} "
         f"(rounds {_spread(r.get('speedup_vs_redis_dedup_c64_spread'))})",
+        f"bare ceiling (raw-bytes shards, numpy client; all rows in DRAM) in the same rounds: vs redis per request "
+        f"{f(r.get('bare_vs_redis_per_request_c64'), '.2f')}   vs redis dedup {f(r.get('bare_vs_redis_dedup_c64'), '.2f')}   "
+        f"client / bare {f(r.get('client_vs_bare_c64'), '.2f')} (rounds {_spread(r.get('client_vs_bare_c64_spread'))})   oracle match {r.get('bare_matches_oracle')}",
         f"dedup ratio {f(r['dedup_ratio'], '.2f')}   near-cache hit rate {f(r['near_cache_hit_rate'], '.3f')}   shard row-cache hit rate {f(r['row_cache_hit_rate'], '.3f')}",
         f"open loop at {f(r['open_loop_rate_per_s'])} req/s: p50 {f(r['p50_ms'], '.2f')} ms  p99 {f(r['p99_ms'], '.2f')} ms  ({r['open_loop_requests']} requests, {r['open_loop_failures']} failed)",
         f"pooled output matches TorchRec: {r['pooled_matches_torchrec']} (max |err| {r['max_abs_err']}, {r['checked_requests']} requests)",

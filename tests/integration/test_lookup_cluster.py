@@ -375,6 +375,11 @@ def test_bench_lookup_runs_end_to_end_small(tmp_path: Path, capsys: pytest.Captu
     assert rows["feature_parallel"] == sorted(r["feature_parallel"] for r in rounds)[1]
     assert report["speedup_vs_redis_per_request_c64_spread"] is None and report["redis_window_requests"] is None
     assert report["rows_per_s_c_high"]["feature_parallel"] > 0
+    # The bare ceiling runs in the same rounds, and really pools the rows it is timed for.
+    assert all(r["bare_ceiling"] > 0 for r in rounds) and report["bare_matches_oracle"] is True
+    assert rows["bare_ceiling"] == sorted(r["bare_ceiling"] for r in rounds)[1]
+    assert report["client_vs_bare_c64"] == pytest.approx(sorted(r["feature_parallel"] / r["bare_ceiling"] for r in rounds)[1])
+    assert report["bare_vs_redis_per_request_c64"] is None  # no Redis in this run
     # Capacity: both knees found by the shared knee finder, their ratio reported.
     knees = report["knees"]
     assert set(knees) == {"feature_parallel", "naive"} and all(k["probes"] and k["curve"] for k in knees.values())

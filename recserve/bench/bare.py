@@ -23,7 +23,8 @@ Example::
 
     bare = BareCeiling(weights_path, num_shards=2, workdir=wd, env=transport_env(cfg))
     bare.start()
-    rows_per_s = await bare.closed_loop(stream, concurrency=64, seconds=2.0)
+    async with bare.client(lengths) as client:
+        pooled = await client.lookup(ids)          # fp32 [B, D]
     bare.stop()
 """
 
@@ -113,33 +114,15 @@ class BareCeiling:
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]
 
-    async def closed_loop(self, ids: np.ndarray, lengths: np.ndarray, *, concurrency: int, seconds: float,
-                          check: Sequence[int] = ()) -> tuple[float, dict[int, np.ndarray]]:  # fmt: skip
-        """Rows/s of ``concurrency`` closed-loop callers over the request stream ``ids``
-        (int64 [R, K], bags ``lengths`` int64 [B] summing to K), for ``seconds`` after a
-        0.5 s warm-up; and the pooled sums fp32 [B, D] of the requests in ``check``
-        (from the timed part, for an oracle to compare)."""
-        from recserve.bench.lookup_modes import closed_loop
-
+    def client(self, lengths: np.ndarray) -> "_BareClient":
+        """The bare client over these shards (``async with``) for requests of the bags
+        ``lengths`` (int64 [B], each > 0)."""
         dim = int(np.load(self.weights_path, mmap_mode="r").shape[1])
-        async with _BareClient(self.sockets, lengths, dim) as client:
-            total = ids.shape[0]
-            got: dict[int, np.ndarray] = {}
-            wanted = set(check)
-
-            async def one(i: int) -> None:
-                pooled = await client.lookup(ids[i])
-                if i in wanted:
-                    got[i] = pooled
-
-            await closed_loop(concurrency, 0.5, total, one)
-            got.clear()
-            res = await closed_loop(concurrency, seconds, total, one)
-            return res.rows_per_s(ids.shape[1]), got
+        return _BareClient(self.sockets, lengths, dim)
 
 
 class _BareClient:
-    """The bare client over open channels: ``await lookup(ids)`` -> pooled [B, D] for a
+    """The bare client: ``await lookup(ids)`` -> pooled [B, D] for a
     request of K ids in the bags ``lengths`` (int64 [B], each > 0: ``np.add.reduceat``
     reads an empty bag as its next row)."""
 

@@ -381,6 +381,17 @@ async def _network_modes(
         if i < args.check_requests and res.pooled is not None:
             checks[i] = res.pooled.values().numpy()
 
+    # The bare ceiling's client (recserve.bench.bare), open for the whole run; the pooled
+    # sums of the checked requests it served are compared with the weights' own.
+    bare_client = None if bare is None else await bare.client(stream.lengths).__aenter__()
+    bare_checks: dict[int, np.ndarray] = {}
+
+    async def bare_fp(i: int) -> None:
+        assert bare_client is not None
+        pooled = await bare_client.lookup(stream.ids[i])
+        if i < args.check_requests:
+            bare_checks[i] = pooled
+
     report: dict[str, Any] = {"rows_per_s": dict.fromkeys(MODES), "rows_per_s_c_high": {}}
     total = stream.ids.shape[0]
     gc.collect()
@@ -390,6 +401,9 @@ async def _network_modes(
         _log("warm-up")
         await closed_loop(args.concurrency, 1.0, total, fp)
         checks.clear()
+        if bare_client is not None:
+            await closed_loop(args.concurrency, 0.5, total, bare_fp)
+            bare_checks.clear()
         if redis_proc is not None:
             redis = RedisContenders(redis_proc.port, weights, stream, plan, max(c for c in (args.concurrency, args.concurrency_high) if c), log=_log)
             _log("redis warm-up")
@@ -403,7 +417,6 @@ async def _network_modes(
         # cover its own segments only.
         segment_s = args.seconds / args.rounds
         rounds: list[dict[str, float | None]] = []
-        bare_checks: dict[int, np.ndarray] = {}
         fp_requests, fp_seconds = 0, 0.0
         window = 1
         for r in range(args.rounds):
@@ -420,8 +433,7 @@ async def _network_modes(
                              redis_mget_threads=got["per_request_threads"])  # fmt: skip
             if bare is not None:
                 _log(f"bare ceiling (raw-bytes shards, numpy client), C={args.concurrency}")
-                entry["bare_ceiling"], got_bare = await bare.closed_loop(stream.ids, stream.lengths, concurrency=args.concurrency, seconds=segment_s, check=range(args.check_requests))
-                bare_checks.update(got_bare)
+                entry["bare_ceiling"] = (await closed_loop(args.concurrency, segment_s, total, bare_fp)).rows_per_s(k)
             rounds.append(entry)
         after = await _shard_counters(client)
         server_ms = await _server_latency_ms(client)
@@ -492,11 +504,17 @@ async def _network_modes(
             report["unloaded_rate_per_s"] = args.unloaded_rate
             report["unloaded_p50_ms"] = percentile_ms(latencies, 50)
             report["unloaded_p99_ms"] = percentile_ms(latencies, 99)
+            report["bare_unloaded_p50_ms"] = None
+            if bare_client is not None:
+                _log(f"bare ceiling unloaded: open loop at {args.unloaded_rate:g} requests/s")
+                latencies, _ = await open_loop(args.unloaded_rate, args.unloaded_seconds, total, bare_fp, seed=args.seed + 3)
+                report["bare_unloaded_p50_ms"] = percentile_ms(latencies, 50)
 
             report["knees"] = None
             if not args.no_knees:
                 closed = {name: (v or 0.0) / k for name, v in report["rows_per_s"].items()}  # requests/s closed loop
-                report["knees"] = await _knees(args, client, kjt_of, naive, None if redis is None else redis.per_request_handler, closed, total)
+                report["knees"] = await _knees(args, client, kjt_of, naive, None if redis is None else redis.per_request_handler, closed, total,
+                                               bare=None if bare_client is None else bare_fp)  # fmt: skip
         finally:
             await naive_transport.close()
         if args.sweep_rates is not None:
@@ -512,11 +530,14 @@ async def _network_modes(
     finally:
         if redis is not None:
             await redis.close()
+        if bare_client is not None:
+            await bare_client.__aexit__(None, None, None)
         await client.aclose()
     return report
 
 
-async def _knees(args: argparse.Namespace, client: Any, kjt_of: Any, naive: Any, redis_handle: Any, closed_req_per_s: dict[str, float], total: int) -> dict[str, Any]:
+async def _knees(args: argparse.Namespace, client: Any, kjt_of: Any, naive: Any, redis_handle: Any, closed_req_per_s: dict[str, float], total: int,
+                 *, bare: Any = None) -> dict[str, Any]:  # fmt: skip
     """Each contender's knee (same arrivals per probe rate, deadline = arrival + SLO): the
     client answers degraded at its deadline, naive and Redis are cancelled and fail."""
     from recserve.bench import lookup_capacity as cap
@@ -535,6 +556,8 @@ async def _knees(args: argparse.Namespace, client: Any, kjt_of: Any, naive: Any,
     contenders: dict[str, Any] = {"feature_parallel": fp, "naive": timed(naive)}
     if redis_handle is not None:
         contenders["redis_mget"] = timed(redis_handle)
+    if bare is not None:  # last: the contenders' seeds stay what they were without it
+        contenders["bare_ceiling"] = timed(bare)
     out: dict[str, Any] = {}
     for j, (name, handle) in enumerate(contenders.items()):
         # The bracket: from far below any knee to 1.5x the contender's own closed-loop
@@ -639,6 +662,8 @@ def _ratios(report: dict[str, Any]) -> None:
     report["knee_per_s"] = {name: knee(name) for name in knees} if knees else None
     report["knee_ratio_vs_redis"] = safe_ratio(knee("feature_parallel"), knee("redis_mget"))
     report["knee_ratio_vs_naive"] = safe_ratio(knee("feature_parallel"), knee("naive"))
+    report["bare_knee_ratio_vs_redis"] = safe_ratio(knee("bare_ceiling"), knee("redis_mget"))  # the ceiling's own
+    report["knee_ratio_vs_bare"] = safe_ratio(knee("feature_parallel"), knee("bare_ceiling"))
     tiered = report.get("tiered_rows_per_s")
     report["equal_memory_vs_tiered"] = safe_ratio(fp, tiered)  # goal: <= 2
     if isinstance(report.get("tiered"), dict):  # the best ratio the disk allows (see _tiered)
@@ -673,6 +698,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"bare ceiling (raw-bytes shards, numpy client; all rows in DRAM) in the same rounds: vs redis per request "
         f"{f(r.get('bare_vs_redis_per_request_c64'), '.2f')}   vs redis dedup {f(r.get('bare_vs_redis_dedup_c64'), '.2f')}   "
         f"client / bare {f(r.get('client_vs_bare_c64'), '.2f')} (rounds {_spread(r.get('client_vs_bare_c64_spread'))})   oracle match {r.get('bare_matches_oracle')}",
+        f"  bare ceiling unloaded p50 {f(r.get('bare_unloaded_p50_ms'), '.2f')} ms (client {f(r.get('unloaded_p50_ms'), '.2f')})   "
+        f"bare knee vs redis {f(r.get('bare_knee_ratio_vs_redis'), '.2f')}   client knee / bare knee {f(r.get('knee_ratio_vs_bare'), '.2f')}",
         f"dedup ratio {f(r['dedup_ratio'], '.2f')}   near-cache hit rate {f(r['near_cache_hit_rate'], '.3f')}   shard row-cache hit rate {f(r['row_cache_hit_rate'], '.3f')}",
         f"open loop at {f(r['open_loop_rate_per_s'])} req/s: p50 {f(r['p50_ms'], '.2f')} ms  p99 {f(r['p99_ms'], '.2f')} ms  ({r['open_loop_requests']} requests, {r['open_loop_failures']} failed)",
         f"pooled output matches TorchRec: {r['pooled_matches_torchrec']} (max |err| {r['max_abs_err']}, {r['checked_requests']} requests)",

@@ -380,9 +380,12 @@ def test_bench_lookup_runs_end_to_end_small(tmp_path: Path, capsys: pytest.Captu
     assert rows["bare_ceiling"] == sorted(r["bare_ceiling"] for r in rounds)[1]
     assert report["client_vs_bare_c64"] == pytest.approx(sorted(r["feature_parallel"] / r["bare_ceiling"] for r in rounds)[1])
     assert report["bare_vs_redis_per_request_c64"] is None  # no Redis in this run
+    assert report["bare_unloaded_p50_ms"] > 0 and report["bare_knee_ratio_vs_redis"] is None
     # Capacity: both knees found by the shared knee finder, their ratio reported.
     knees = report["knees"]
-    assert set(knees) == {"feature_parallel", "naive"} and all(k["probes"] and k["curve"] for k in knees.values())
+    assert set(knees) == {"feature_parallel", "naive", "bare_ceiling"} and all(k["probes"] and k["curve"] for k in knees.values())
+    if knees["bare_ceiling"]["knee_per_s"] and knees["feature_parallel"]["knee_per_s"]:
+        assert report["knee_ratio_vs_bare"] == pytest.approx(knees["feature_parallel"]["knee_per_s"] / knees["bare_ceiling"]["knee_per_s"])
     assert report["config"]["knee_settle_after_fail_s"] == 0.3
     if knees["naive"]["knee_per_s"] and knees["feature_parallel"]["knee_per_s"]:
         assert report["knee_ratio_vs_naive"] == pytest.approx(knees["feature_parallel"]["knee_per_s"] / knees["naive"]["knee_per_s"])

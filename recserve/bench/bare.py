@@ -56,10 +56,20 @@ def serve(weights_path: str, shard: int, num_shards: int, socket_path: str) -> N
     """Run one bare shard until killed: ids int64 bytes in, their fp32 rows out."""
     import grpc
 
-    rows = local_rows(np.load(weights_path, mmap_mode="r"), shard, num_shards)
+    weights = np.load(weights_path, mmap_mode="r")
+    rows = local_rows(weights, shard, num_shards)
+    total = int(weights.shape[0])
 
-    async def get(request: bytes, _context: Any) -> bytes:
+    async def get(request: bytes, context: Any) -> bytes:
+        # Bad input gets INVALID_ARGUMENT naming it, as from every server here, at the
+        # cost of one remainder and two reductions: a ceiling that answered garbage (or
+        # UNKNOWN) for a bad id would not be the design's.
+        if len(request) % 8:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ids: {len(request)} bytes is not a whole number of int64 ids")
         ids = np.frombuffer(request, dtype=np.int64)
+        if ids.size and (int(ids.view(np.uint64).max()) >= total or bool((ids % num_shards != shard).any())):
+            bad = ids[(ids < 0) | (ids >= total) | (ids % num_shards != shard)][0]
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"id {int(bad)}: not a row of bare shard {shard} of {num_shards} (rows i % {num_shards} == {shard}, i < {total})")
         return np.take(rows, ids // num_shards, axis=0).tobytes()
 
     async def main() -> None:

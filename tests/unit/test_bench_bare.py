@@ -53,3 +53,39 @@ def test_bare_check_compares_against_the_bags_own_sums() -> None:
     bad[1] = good[1] + np.array([0, 0, 0, 1e-2], dtype=np.float32)
     assert _bare_check(w, stream, bad) is False
     assert _bare_check(w, stream, {0: good[0][:1]}) is False  # a bag short
+
+
+async def _call(sock: str, payload: bytes) -> bytes:
+    import grpc
+
+    from recserve.bench.bare import METHOD
+
+    async with grpc.aio.insecure_channel("unix:" + sock) as channel:
+        return await channel.unary_unary(METHOD, None, None)(payload, timeout=10)  # type: ignore[no-any-return]
+
+
+def test_a_bare_shard_answers_its_rows_and_names_bad_input(tmp_path: Path) -> None:
+    """One real bare shard process: its own rows come back exactly; a torn id, an id out
+    of range and an id another shard holds each get INVALID_ARGUMENT naming it, and the
+    shard keeps serving."""
+    import asyncio
+
+    import grpc
+
+    w = np.random.default_rng(1).standard_normal((10, 4), dtype=np.float32)
+    np.save(tmp_path / "w.npy", w)
+    bare = BareCeiling(tmp_path / "w.npy", num_shards=2, workdir=tmp_path)
+    bare.start()
+    try:
+        sock = bare.sockets[1]
+        ids = np.array([9, 1, 5], dtype=np.int64)
+        got = np.frombuffer(asyncio.run(_call(sock, ids.tobytes())), dtype=np.float32).reshape(3, 4)
+        np.testing.assert_array_equal(got, w[ids])
+        for payload, message in [(b"\x01" * 9, "9 bytes is not a whole number"), (np.array([1, 11]).tobytes(), "id 11: not a row of bare shard 1"),
+                                 (np.array([-3]).tobytes(), "id -3"), (np.array([3, 4]).tobytes(), "id 4: not a row")]:  # fmt: skip
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                asyncio.run(_call(sock, payload))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in (err.value.details() or "")
+        assert np.frombuffer(asyncio.run(_call(sock, np.array([7]).tobytes())), dtype=np.float32).tolist() == w[7].tolist()
+    finally:
+        bare.stop()

@@ -25,6 +25,12 @@ side in one run:
   direct-read rate and the rows/s floor they imply (``tiered.io_floor_rows_per_s``,
   ``tiered.equal_memory_vs_io_floor``).
 
+* the **bare ceiling** (:mod:`recserve.bench.bare`, ``--no-bare`` skips it): raw-bytes
+  shard processes and a numpy client, the design with nothing but its physics, in the
+  same C=64 rounds, knee search and unloaded run (``bare_vs_redis_*``,
+  ``client_vs_bare_c64``, ``knee_ratio_vs_bare``, ``bare_unloaded_p50_ms``): what the
+  goals' ratios can reach on this box in this run.
+
 The pooled outputs of requests the client actually served are checked against an
 in-process TorchRec ``EmbeddingBagCollection`` on the same weights. With
 ``--sweep-rates`` the open-loop sweep of the client and naive also runs (JSON ``sweep``,

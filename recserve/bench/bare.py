@@ -8,7 +8,7 @@ therefore measures the prototype's design *in the same rounds* as the client and
 (``rows_per_s.bare_ceiling``, ``bare_vs_redis_per_request_c64``, ``client_vs_bare_c64``):
 what a lookup path costs here with no validation, scheduler, deadlines, hedging, near
 cache, tiers or protobuf. It is a ceiling, not a competitor: it holds every row in DRAM
-(half the table per shard) and would serve garbage for a bad id.
+(half the table per shard); a bad id still gets INVALID_ARGUMENT naming it.
 
 * **Shards** (:func:`serve`, ``python -m recserve.bench.bare``): one process each, row
   ``i`` on shard ``i % S`` at local row ``i // S``; one generic unary method that takes
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import select
 import subprocess
 import sys
 import time
@@ -107,11 +108,18 @@ class BareCeiling:
         for k, sock in enumerate(self.sockets):
             cmd = [sys.executable, "-m", "recserve.bench.bare", "--weights", self.weights_path, "--shard", str(k), "--num-shards", str(self.num_shards), "--socket", sock]
             self._procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, env=env))
+        self._await_ready()
+
+    def _await_ready(self) -> None:
+        """Read each started shard's ready line within ``start_timeout_s`` in all; stop
+        every shard and raise RuntimeError naming the first that is not ready."""
         deadline = time.monotonic() + self.start_timeout_s
         for k, proc in enumerate(self._procs):
             assert proc.stdout is not None
-            line = proc.stdout.readline()  # blocks until the line or the process's exit
-            if line != _READY or time.monotonic() > deadline:
+            # Wait for the line, the process's exit (EOF) or the deadline, whichever is first.
+            ready, _, _ = select.select([proc.stdout], [], [], max(deadline - time.monotonic(), 0.0))
+            line = proc.stdout.readline() if ready else b""
+            if line != _READY:
                 self.stop()
                 raise RuntimeError(f"bare shard {k} did not start (exit code {proc.poll()}, said {line!r})")
 

@@ -89,3 +89,19 @@ def test_a_bare_shard_answers_its_rows_and_names_bad_input(tmp_path: Path) -> No
         assert np.frombuffer(asyncio.run(_call(sock, np.array([7]).tobytes())), dtype=np.float32).tolist() == w[7].tolist()
     finally:
         bare.stop()
+
+
+def test_a_bare_shard_silent_past_its_start_timeout_is_named(tmp_path: Path) -> None:
+    """A shard that neither says it listens nor exits is given up on at the timeout,
+    not waited for forever."""
+    import subprocess
+    import sys
+    import time
+
+    bare = BareCeiling(tmp_path / "w.npy", num_shards=1, workdir=tmp_path, start_timeout_s=0.5)
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdout=subprocess.PIPE)
+    bare._procs = [silent]  # what start() waits on, without a real shard's start-up
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="bare shard 0 did not start"):
+        bare._await_ready()
+    assert time.monotonic() - t0 < 5 and silent.poll() is not None  # killed, not left behind
